@@ -1,0 +1,49 @@
+"""Request dependencies: settings, the per-request session (the one commit point), the caller's tenant."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Annotated
+
+from fastapi import Depends, Request
+from sqlalchemy.orm import Session
+
+from shared.config import Settings
+from shared.errors import Unauthorized
+from shared.models import Tenant
+from shared.tenants import tenant_for_key
+
+
+def get_settings_dep(request: Request) -> Settings:
+    settings: Settings = request.app.state.settings
+    return settings
+
+
+def get_session(request: Request) -> Iterator[Session]:
+    session: Session = request.app.state.sessions()
+    try:
+        yield session
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+    finally:
+        session.close()
+
+
+SessionDep = Annotated[Session, Depends(get_session)]
+SettingsDep = Annotated[Settings, Depends(get_settings_dep)]
+
+
+def get_tenant(request: Request, session: SessionDep) -> Tenant:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        raise Unauthorized("send an API key as 'Authorization: Bearer <key>'")
+    tenant = tenant_for_key(session, token.strip())
+    if tenant is None:
+        raise Unauthorized("invalid or revoked API key")
+    return tenant
+
+
+TenantDep = Annotated[Tenant, Depends(get_tenant)]

@@ -1,0 +1,93 @@
+"""/v1/jobs routes: thin; the logic is in services/api/jobs_service.py."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Query, Request, Response
+from sqlalchemy import select
+
+from services.api import jobs_service
+from services.api.deps import SessionDep, SettingsDep, TenantDep
+from services.api.metrics import SUBMITS
+from shared.dispatch import mark_enqueued, send_job, send_webhook
+from shared.models import WebhookDelivery
+from shared.presenters import present_job
+from shared.schemas import JobCreate, JobOut, JobPage, WebhookDeliveryOut
+from shared.states import JobStatus, request_cancel
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+
+
+@router.post("", status_code=202, response_model=JobOut)
+def submit_job(
+    body: JobCreate,
+    request: Request,
+    response: Response,
+    session: SessionDep,
+    settings: SettingsDep,
+    tenant: TenantDep,
+    idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
+) -> JobOut:
+    job, created = jobs_service.submit(
+        session, settings, tenant=tenant, body=body, idempotency_key=idempotency_key
+    )
+    # Enqueued iff committed: the row (and idempotency key) commit before the message is sent.
+    session.commit()
+    if created:
+        SUBMITS.labels(priority_class=job.priority_class).inc()
+        if send_job(request.app.state.celery, job_id=job.id, queue=job.queue):
+            mark_enqueued(session, job_id=job.id, queue=job.queue)
+            session.commit()
+    else:
+        response.headers["Idempotent-Replayed"] = "true"
+    response.headers["Location"] = f"/v1/jobs/{job.id}"
+    return present_job(job, settings=settings, storage=request.app.state.storage)
+
+
+@router.get("", response_model=JobPage)
+def list_jobs(
+    request: Request,
+    session: SessionDep,
+    settings: SettingsDep,
+    tenant: TenantDep,
+    status: JobStatus | None = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    cursor: str | None = None,
+) -> JobPage:
+    jobs, next_cursor = jobs_service.list_jobs(
+        session, tenant_id=tenant.id, status=status, limit=limit, cursor=cursor
+    )
+    storage = request.app.state.storage
+    return JobPage(
+        data=[present_job(j, settings=settings, storage=storage) for j in jobs], next_cursor=next_cursor
+    )
+
+
+@router.get("/{job_id}", response_model=JobOut)
+def get_job(
+    job_id: uuid.UUID, request: Request, session: SessionDep, settings: SettingsDep, tenant: TenantDep
+) -> JobOut:
+    job = jobs_service.get_job(session, tenant_id=tenant.id, job_id=job_id)
+    return present_job(job, settings=settings, storage=request.app.state.storage)
+
+
+@router.post("/{job_id}/cancel", status_code=202, response_model=JobOut)
+def cancel_job(
+    job_id: uuid.UUID, request: Request, session: SessionDep, settings: SettingsDep, tenant: TenantDep
+) -> JobOut:
+    job = request_cancel(session, job_id, tenant_id=tenant.id)
+    session.commit()
+    if job.status == JobStatus.CANCELLED.value and job.webhook_url:
+        send_webhook(request.app.state.celery, job_id=job.id)
+    return present_job(job, settings=settings, storage=request.app.state.storage)
+
+
+@router.get("/{job_id}/webhooks", response_model=list[WebhookDeliveryOut])
+def job_webhooks(job_id: uuid.UUID, session: SessionDep, tenant: TenantDep) -> list[WebhookDeliveryOut]:
+    jobs_service.get_job(session, tenant_id=tenant.id, job_id=job_id)
+    rows = session.execute(
+        select(WebhookDelivery).where(WebhookDelivery.job_id == job_id).order_by(WebhookDelivery.id)
+    ).scalars()
+    return [WebhookDeliveryOut.model_validate(r) for r in rows]

@@ -1,0 +1,40 @@
+"""The worker's Celery app: tasks registered on the shared app, per-process resources built in the pool child.
+
+``celery -A services.worker.app worker`` (or ``vidq worker``). CUDA is only touched in ``worker_process_init``,
+i.e. in the forked child, never in the parent.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery.signals import worker_process_init, worker_process_shutdown
+
+from shared.celery_app import make_celery
+from shared.config import get_settings
+from shared.db import dispose_engines
+from shared.logs import configure_logging
+
+log = logging.getLogger("vidq.worker")
+
+settings = get_settings()
+celery = make_celery(settings)
+celery.conf.include = ["services.worker.tasks", "services.worker.webhook_tasks"]
+app = celery
+
+
+@worker_process_init.connect
+def _init_child(**_: Any) -> None:
+    configure_logging(level=settings.log_level, json_logs=settings.log_json)
+    dispose_engines()  # never share a parent's sockets across fork
+    for model in settings.worker_preload_models:
+        from services.worker.models import get_pipeline
+
+        get_pipeline(model)
+        log.info("pipeline loaded", extra={"model": model})
+
+
+@worker_process_shutdown.connect
+def _shutdown_child(**_: Any) -> None:
+    dispose_engines()

@@ -1,0 +1,67 @@
+"""Keeps a running job's lease alive and carries progress and cancel requests between the DB and the render."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+
+from shared.config import Settings
+from shared.db import session_scope
+from shared.errors import JobCancelled, LeaseLost
+from shared.states import renew_lease
+
+log = logging.getLogger("vidq.worker.heartbeat")
+
+
+class Lease:
+    """A background thread renews the lease every ``heartbeat_s``; ``on_step`` (called from the denoising loop)
+    records progress at most every ``progress_min_interval_s`` and raises when the job was cancelled or another
+    attempt took it over."""
+
+    def __init__(self, settings: Settings, *, job_id: uuid.UUID, token: int) -> None:
+        self.settings = settings
+        self.job_id = job_id
+        self.token = token
+        self.cancel_requested = False
+        self.owned = True
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"lease-{job_id}", daemon=True)
+        self._last_progress = 0.0
+
+    def __enter__(self) -> Lease:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.settings.heartbeat_s + 5)
+
+    def _renew(self, progress: tuple[int, int] | None = None) -> None:
+        with session_scope(self.settings) as session:
+            state = renew_lease(
+                session, self.job_id, token=self.token, lease_s=self.settings.lease_s, progress=progress
+            )
+        self.owned = state.owned
+        self.cancel_requested = self.cancel_requested or state.cancel_requested
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.settings.heartbeat_s):
+            try:
+                self._renew()
+            except Exception:  # a DB blip: keep trying; the lease is several heartbeats long
+                log.warning("lease renewal failed", extra={"job_id": str(self.job_id)}, exc_info=True)
+
+    def check(self) -> None:
+        if not self.owned:
+            raise LeaseLost("another attempt owns this job now")
+        if self.cancel_requested:
+            raise JobCancelled("job cancelled")
+
+    def on_step(self, step: int, total: int) -> None:
+        now = time.monotonic()
+        if step == total or now - self._last_progress >= self.settings.progress_min_interval_s:
+            self._last_progress = now
+            self._renew(progress=(step, total))
+        self.check()

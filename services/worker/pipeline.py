@@ -1,0 +1,193 @@
+"""Render one video from a ``GenerationSpec``: the plain function a worker task calls.
+
+``VideoPipeline`` wraps a Wan-family diffusers pipeline (``WanPipeline`` or one with its interface:
+``encode_prompt``, a ``vae`` with ``latents_mean``/``latents_std``, a ``video_processor``) and runs it in
+separate, timed stages, so a worker can report real step progress, stop a cancelled job between steps and,
+later, reuse cached prompt embeddings.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from diffusers import DiffusionPipeline
+
+from shared.spec import GenerationSpec
+
+StepCallback = Callable[[int, int], None]
+
+MAX_SEQUENCE_LENGTH = 512  # what WanPipeline.__call__ uses; encode_prompt's own default (226) differs
+
+
+class PermanentRenderError(Exception):
+    """The model rejected the input itself: retrying the same job cannot succeed."""
+
+
+@dataclass(frozen=True, slots=True)
+class RenderResult:
+    frames: np.ndarray  # uint8, (frames, height, width, 3)
+    timings_s: dict[str, float]  # encode_text, denoise, decode, total
+    peak_vram_bytes: int | None  # None off CUDA
+    device: str
+    dtype: str
+
+
+class VideoPipeline:
+    """A built diffusers pipeline kept warm on its device, with ``generate`` as its one entry point."""
+
+    def __init__(
+        self, pipe: DiffusionPipeline, *, model: str, device: torch.device, dtype: torch.dtype
+    ) -> None:
+        for attribute in ("encode_prompt", "vae", "video_processor"):
+            if not hasattr(pipe, attribute):
+                name = type(pipe).__name__
+                raise TypeError(f"{name} has no {attribute!r}: not a Wan-family video pipeline")
+        self.pipe = pipe
+        self.model = model
+        self.device = device
+        self.dtype = dtype
+
+    def generate(self, spec: GenerationSpec, *, on_step: StepCallback | None = None) -> RenderResult:
+        """Render ``spec`` to uint8 RGB frames.
+
+        ``on_step(done, total)`` runs after every denoising step. Whatever it raises (a cancelled job's
+        ``JobCancelled``) stops the render at once and propagates unchanged; its intermediate tensors are
+        released before the exception leaves. A ``ValueError`` from the model becomes
+        ``PermanentRenderError``.
+        """
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        from_on_step: list[BaseException] = []  # tells on_step's own errors apart from the model's
+        timings: dict[str, float] = {}
+        try:
+            frames = self._render(spec, on_step=on_step, from_on_step=from_on_step, timings=timings)
+        except BaseException as exc:
+            # The traceback pins every frame it passed through, and with them the latents, embeddings and
+            # activations. Drop those frames' locals now so the memory goes back to the device while the
+            # caller is still handling the exception (it may keep it, e.g. to log it later). This function's
+            # own frame holds no tensors: the stages live in _render for that reason.
+            traceback.clear_frames(exc.__traceback__)
+            if isinstance(exc, ValueError) and not (from_on_step and exc is from_on_step[0]):
+                raise PermanentRenderError(str(exc)) from exc
+            raise
+        finally:
+            if cuda:
+                torch.cuda.empty_cache()  # a long-lived worker must not keep a cancelled job's blocks cached
+        return RenderResult(
+            frames=frames,
+            timings_s=timings,
+            peak_vram_bytes=torch.cuda.max_memory_allocated(self.device) if cuda else None,
+            device=str(self.device),
+            dtype=str(self.dtype).removeprefix("torch."),
+        )
+
+    def _render(
+        self,
+        spec: GenerationSpec,
+        *,
+        on_step: StepCallback | None,
+        from_on_step: list[BaseException],
+        timings: dict[str, float],
+    ) -> np.ndarray:
+        with torch.inference_mode():
+            started = stage = self._clock()
+
+            # 1. Encode the prompt (and the negative prompt when classifier-free guidance is on).
+            prompt_embeds, negative_embeds = self._encode_text(spec)
+            timings["encode_text"], stage = self._lap(stage)
+
+            # 2. Denoise in latent space, reporting each step.
+            latents = self._denoise(spec, prompt_embeds, negative_embeds, on_step, from_on_step)
+            timings["denoise"], stage = self._lap(stage)
+
+            # 3. Decode the latents to pixels with the VAE.
+            video = self._decode(latents)
+            timings["decode"], stage = self._lap(stage)
+
+            # 4. Convert to uint8 frames, (F, H, W, 3).
+            frames = _to_uint8(video)
+            timings["total"] = self._clock() - started
+        return frames
+
+    def _encode_text(self, spec: GenerationSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
+        prompt_embeds, negative_embeds = self.pipe.encode_prompt(
+            prompt=spec.prompt,
+            negative_prompt=spec.negative_prompt,
+            do_classifier_free_guidance=spec.guidance_scale > 1.0,  # the rule WanPipeline itself applies
+            num_videos_per_prompt=1,
+            max_sequence_length=MAX_SEQUENCE_LENGTH,
+            device=self.device,
+        )
+        return prompt_embeds, negative_embeds
+
+    def _denoise(
+        self,
+        spec: GenerationSpec,
+        prompt_embeds: torch.Tensor,
+        negative_embeds: torch.Tensor | None,
+        on_step: StepCallback | None,
+        from_on_step: list[BaseException],
+    ) -> torch.Tensor:
+        total = spec.steps
+
+        def step_end(_pipe: Any, step_index: int, _timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:
+            if on_step is not None:
+                try:
+                    on_step(step_index + 1, total)
+                except BaseException as exc:
+                    from_on_step.append(exc)
+                    raise
+            return tensors  # handed back unchanged: the pipeline reads its latents from the returned dict
+
+        # The generator lives on the pipeline's device: a seed gives the same noise as a plain diffusers call.
+        generator = torch.Generator(device=self.device).manual_seed(spec.seed)
+        (latents,) = self.pipe(
+            prompt_embeds=prompt_embeds,
+            negative_prompt_embeds=negative_embeds,
+            height=spec.height,
+            width=spec.width,
+            num_frames=spec.num_frames,
+            num_inference_steps=spec.steps,
+            guidance_scale=spec.guidance_scale,
+            generator=generator,
+            output_type="latent",
+            return_dict=False,
+            callback_on_step_end=step_end,
+            max_sequence_length=MAX_SEQUENCE_LENGTH,
+        )
+        latents_out: torch.Tensor = latents
+        return latents_out
+
+    def _decode(self, latents: torch.Tensor) -> np.ndarray:
+        vae = self.pipe.vae
+        latents = latents.to(device=vae.device, dtype=vae.dtype)
+        # Undo the per-channel normalisation the transformer works in, exactly as WanPipeline does.
+        shape = (1, vae.config.z_dim, 1, 1, 1)
+        # Kept as WanPipeline writes it (divide by 1/std) so the frames match a plain call bit for bit.
+        mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
+        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.device, latents.dtype)
+        video = vae.decode(latents / inv_std + mean, return_dict=False)[0]
+        frames: np.ndarray = self.pipe.video_processor.postprocess_video(video, output_type="np")
+        return frames
+
+    def _clock(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # kernels run ahead of Python: wait before reading the time
+        return time.perf_counter()
+
+    def _lap(self, since: float) -> tuple[float, float]:
+        now = self._clock()
+        return now - since, now
+
+
+def _to_uint8(video: np.ndarray) -> np.ndarray:
+    """(1, F, H, W, 3) floats in [0, 1] to (F, H, W, 3) uint8, rounded: truncation darkens every pixel."""
+    frames = np.clip(np.rint(video[0] * 255.0), 0, 255).astype(np.uint8)
+    return np.ascontiguousarray(frames)

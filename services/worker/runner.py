@@ -1,0 +1,153 @@
+"""One job, start to end: claim → render → encode → upload → finalize → webhook. A plain function the thin
+Celery task calls; everything it does is fenced by the attempt number it claimed."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from celery import Celery
+from celery.exceptions import SoftTimeLimitExceeded
+from minio.error import S3Error
+from sqlalchemy.exc import OperationalError
+from urllib3.exceptions import HTTPError as Urllib3Error
+
+from services.worker.heartbeat import Lease
+from shared.config import Settings
+from shared.db import session_scope
+from shared.dispatch import mark_enqueued, send_job, send_webhook
+from shared.errors import JobCancelled, LeaseLost
+from shared.spec import GenerationSpec
+from shared.states import cancelled_by_worker, claim, fail, release_for_retry, succeed
+from shared.storage import Storage, poster_key, video_key
+
+log = logging.getLogger("vidq.worker.runner")
+
+
+def worker_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def run_job(job_id: uuid.UUID, *, settings: Settings, celery: Celery, storage: Storage) -> str:
+    """Returns what happened ("succeeded", "dropped", …) for logs and tests."""
+    ctx = {"job_id": str(job_id)}
+    # 1. Claim: the conditional UPDATE makes a redelivered or duplicate message a no-op.
+    with session_scope(settings) as session:
+        job = claim(session, job_id, worker_id=worker_id(), lease_s=settings.lease_s)
+        if job is None:
+            log.info("not claimable (already running, finished or cancelled); message dropped", extra=ctx)
+            return "dropped"
+        token, tenant_id = job.attempt, str(job.tenant_id)
+        spec = GenerationSpec.from_dict(job.spec)
+    ctx["attempt"] = str(token)
+    log.info("claimed", extra=ctx)
+
+    try:
+        with Lease(settings, job_id=job_id, token=token) as lease:
+            outcome = _render_and_store(
+                spec, settings=settings, storage=storage, lease=lease, tenant_id=tenant_id, job_id=job_id
+            )
+        # 5. Finalize only with our fencing token: a stale attempt changes nothing.
+        with session_scope(settings) as session:
+            done = succeed(session, job_id, token=token, output=outcome)
+        if done is None:
+            log.warning("finalize refused: fencing token is stale", extra=ctx)
+            return "stale"
+        send_webhook(celery, job_id=job_id)
+        return "succeeded"
+    except JobCancelled:
+        with session_scope(settings) as session:
+            cancelled_by_worker(session, job_id, token=token)
+        send_webhook(celery, job_id=job_id)
+        log.info("cancelled at a denoising step", extra=ctx)
+        return "cancelled"
+    except LeaseLost:
+        log.warning("lease lost; another attempt owns the job", extra=ctx)
+        return "stale"
+    except SoftTimeLimitExceeded:
+        return _fail(
+            settings, celery, job_id=job_id, token=token, code="time_limit", message="task time limit"
+        )
+    except (OperationalError, S3Error, Urllib3Error, ConnectionError, TimeoutError, OSError) as exc:
+        # Transient (DB, S3, network): hand the job back for another attempt, or fail once attempts are spent.
+        log.warning("transient failure", extra={**ctx, "error": repr(exc)})
+        with session_scope(settings) as session:
+            released = release_for_retry(
+                session, job_id, token=token, reason=f"transient: {type(exc).__name__}"
+            )
+            queue = released.queue if released else None
+        if queue is not None:
+            if send_job(celery, job_id=job_id, queue=queue):
+                with session_scope(settings) as session:
+                    mark_enqueued(session, job_id=job_id, queue=queue)
+            return "retrying"
+        return _fail(
+            settings, celery, job_id=job_id, token=token, code="transient_exhausted", message=repr(exc)
+        )
+    except Exception as exc:
+        from services.worker.pipeline import PermanentRenderError
+
+        code = "invalid_for_model" if isinstance(exc, PermanentRenderError) else "render_failed"
+        log.exception("render failed", extra=ctx)
+        return _fail(settings, celery, job_id=job_id, token=token, code=code, message=f"{exc}")
+
+
+def _fail(
+    settings: Settings, celery: Celery, *, job_id: uuid.UUID, token: int, code: str, message: str
+) -> str:
+    with session_scope(settings) as session:
+        fail(session, job_id, token=token, code=code, message=message)
+    send_webhook(celery, job_id=job_id)
+    return "failed"
+
+
+def _render_and_store(
+    spec: GenerationSpec,
+    *,
+    settings: Settings,
+    storage: Storage,
+    lease: Lease,
+    tenant_id: str,
+    job_id: uuid.UUID,
+) -> dict[str, object]:
+    from services.worker.models import get_pipeline
+    from services.worker.video import encode_mp4, write_poster
+
+    # 2. Render (the pipeline is loaded once per process and kept warm); on_step reports progress and stops
+    #    the denoising loop at the next step when the job is cancelled.
+    pipeline = get_pipeline(spec.model)
+    result = pipeline.generate(spec, on_step=lease.on_step)
+    lease.check()
+    timings: dict[str, object] = {k: round(v, 4) for k, v in result.timings_s.items()}
+    with tempfile.TemporaryDirectory(prefix="vidq-") as tmp:
+        # 3. Encode H.264 yuv420p MP4 and a JPEG poster.
+        t0 = time.perf_counter()
+        mp4, jpg = Path(tmp) / "video.mp4", Path(tmp) / "poster.jpg"
+        encode_mp4(result.frames, fps=spec.fps, path=mp4)
+        write_poster(result.frames, jpg)
+        timings["encode"] = round(time.perf_counter() - t0, 4)
+        # 4. Upload under deterministic keys: a retried attempt overwrites, never duplicates.
+        t0 = time.perf_counter()
+        lease.check()
+        video = storage.upload(video_key(tenant_id, str(job_id)), mp4, content_type="video/mp4")
+        poster = storage.upload(poster_key(tenant_id, str(job_id)), jpg, content_type="image/jpeg")
+        timings["upload"] = round(time.perf_counter() - t0, 4)
+    timings["device"] = result.device
+    timings["dtype"] = result.dtype
+    if result.peak_vram_bytes is not None:
+        timings["peak_vram_bytes"] = result.peak_vram_bytes
+    return {
+        "output_key": video.key,
+        "poster_key": poster.key,
+        "output_bytes": video.size,
+        "output_sha256": video.sha256,
+        "output_frames": int(result.frames.shape[0]),
+        "timings": timings,
+        "progress_step": spec.steps,
+        "progress_total": spec.steps,
+    }

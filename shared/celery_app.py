@@ -1,0 +1,50 @@
+"""The Celery application as both sides see it. The API uses it only to ``send_task`` by name (it never imports
+the worker's task modules, so never torch); the worker registers its tasks on it (services/worker/app.py).
+
+Priority: kombu's Redis transport issues one ``BRPOP video.high video.medium video.low …`` per fetch. With
+``queue_order_strategy="priority"`` the key order is fixed (Celery's default, round-robin, rotates it after each
+message, which is fair, not priority), so Redis pops from the first non-empty queue. Low is kept from starving
+by aging in the sweeper, not by the broker (see shared/sweeper.py).
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+from kombu import Queue as KQueue
+
+from shared.config import Settings
+from shared.queues import TASK_DELIVER_WEBHOOK, TASK_GENERATE, Queue
+
+
+def make_celery(settings: Settings) -> Celery:
+    app = Celery("vidq", broker=str(settings.broker_url), set_as_current=True)
+    app.conf.update(
+        task_queues=[KQueue(q.value, routing_key=q.value) for q in Queue],
+        task_default_queue=Queue.MEDIUM.value,
+        task_routes={
+            TASK_DELIVER_WEBHOOK: {"queue": Queue.WEBHOOKS.value},
+            TASK_GENERATE: {"queue": Queue.MEDIUM.value},
+        },
+        # Long GPU tasks: ack after the work, one message at a time, Postgres holds the result.
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        task_ignore_result=True,
+        task_soft_time_limit=settings.task_soft_time_limit_s,
+        task_time_limit=settings.task_time_limit_s,
+        worker_cancel_long_running_tasks_on_connection_loss=True,
+        broker_connection_retry_on_startup=True,
+        broker_connection_timeout=settings.redis_socket_timeout_s,
+        broker_transport_options={
+            "queue_order_strategy": "priority",
+            # Must exceed the longest task, or Redis redelivers a message whose task is still running.
+            "visibility_timeout": settings.visibility_timeout_s,
+            "socket_timeout": settings.redis_socket_timeout_s,
+            "socket_connect_timeout": settings.redis_socket_timeout_s,
+        },
+        # Flower needs events.
+        worker_send_task_events=True,
+        task_send_sent_event=True,
+        worker_hijack_root_logger=False,
+    )
+    return app

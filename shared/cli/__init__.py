@@ -1,0 +1,146 @@
+"""The ``vidq`` command: one entry point for every process vidq runs (compose and k8s use these too)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Annotated
+
+import typer
+
+from shared.cli import client, stack
+
+app = typer.Typer(
+    no_args_is_help=True, add_completion=False, help="vidq: asynchronous text-to-video service."
+)
+app.command("up")(stack.up)
+app.command("demo")(stack.demo)
+app.command("generate")(client.generate)
+
+WORKER_ROLES = {
+    "video": ["video.high", "video.medium", "video.low"],
+    "webhooks": ["vidq.webhooks"],
+    "all": ["video.high", "video.medium", "video.low", "vidq.webhooks"],
+}
+
+
+@app.command()
+def migrate() -> None:
+    """Apply database migrations (Alembic) up to head."""
+    from shared.config import get_settings
+    from shared.migrate import upgrade
+
+    upgrade(get_settings())
+    typer.echo("database at head")
+
+
+@app.command("create-key")
+def create_key(
+    tenant: Annotated[str, typer.Option(help="tenant name (created if new)")],
+    name: Annotated[str, typer.Option(help="a label for this key")] = "",
+) -> None:
+    """Issue an API key for a tenant; prints the key (shown once) and the tenant's webhook secret as JSON."""
+    from shared.config import get_settings
+    from shared.db import session_scope
+    from shared.tenants import issue_key
+
+    with session_scope(get_settings()) as session:
+        issued = issue_key(session, tenant_name=tenant, key_name=name)
+    typer.echo(json.dumps(issued.__dict__))
+
+
+@app.command()
+def api(
+    host: Annotated[str | None, typer.Option()] = None,
+    port: Annotated[int | None, typer.Option()] = None,
+    migrate_first: Annotated[bool, typer.Option("--migrate/--no-migrate")] = True,
+) -> None:
+    """Run the REST API (uvicorn)."""
+    import uvicorn
+
+    from shared.config import get_settings
+
+    settings = get_settings()
+    if migrate_first:
+        from shared.migrate import upgrade
+
+        upgrade(settings)
+    uvicorn.run(
+        "services.api.app:create_app",
+        factory=True,
+        host=host or settings.api_host,
+        port=port or settings.api_port,
+        log_config=None,
+        timeout_graceful_shutdown=10,
+    )
+
+
+@app.command()
+def worker(
+    role: Annotated[str, typer.Option(help="video | webhooks | all")] = "video",
+    concurrency: Annotated[int, typer.Option(help="1 per GPU for video; more for webhooks")] = 1,
+    name: Annotated[str, typer.Option(help="Celery node name")] = "",
+    preload: Annotated[bool, typer.Option(help="build the default model when the process starts")] = True,
+) -> None:
+    """Run a Celery worker. Video workers take video.high, then video.medium, then video.low (strict order)."""
+    if role not in WORKER_ROLES:
+        raise typer.BadParameter(f"role must be one of {sorted(WORKER_ROLES)}")
+    from shared.config import get_settings
+
+    settings = get_settings()
+    if role != "webhooks" and preload and not settings.worker_preload_models:
+        # Passed to the pool child (worker_process_init reads it through Settings).
+        os.environ["VIDQ_WORKER_PRELOAD_MODELS"] = json.dumps([settings.default_model])
+        get_settings.cache_clear()
+    from services.worker.app import celery
+
+    celery.worker_main(
+        [
+            "worker",
+            "--loglevel=INFO",
+            f"--queues={','.join(WORKER_ROLES[role])}",
+            f"--concurrency={concurrency}",
+            "--pool=prefork",
+            "--prefetch-multiplier=1",
+            "--without-gossip",
+            "--without-mingle",
+            "-E",
+            f"--hostname={name or role}@%h",
+        ]
+    )
+
+
+@app.command()
+def flower(
+    port: Annotated[int, typer.Option()] = 5555,
+    basic_auth: Annotated[str, typer.Option(help="user:password (recommended outside localhost)")] = "",
+) -> None:
+    """Run Flower on the vidq broker."""
+    from shared.celery_app import make_celery
+    from shared.config import get_settings
+
+    celery = make_celery(get_settings())
+    args = ["flower", f"--port={port}", "--address=127.0.0.1" if not basic_auth else "--address=0.0.0.0"]
+    if basic_auth:
+        args.append(f"--basic-auth={basic_auth}")
+    celery.start(args)
+
+
+@app.command()
+def sweep(once: Annotated[bool, typer.Option("--once/--forever")] = False) -> None:
+    """Run the sweeper (re-sends lost jobs, recovers dead workers' jobs, ages low jobs up)."""
+    import threading
+
+    from shared.celery_app import make_celery
+    from shared.config import get_settings
+    from shared.db import session_factory
+    from shared.logs import configure_logging
+    from shared.sweeper import Sweeper
+
+    settings = get_settings()
+    configure_logging(level=settings.log_level, json_logs=settings.log_json)
+    sweeper = Sweeper(settings, celery=make_celery(settings), sessions=session_factory(settings))
+    if once:
+        typer.echo(json.dumps(sweeper.sweep_once().__dict__, default=str))
+    else:
+        sweeper.run_forever(threading.Event())

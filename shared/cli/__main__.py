@@ -1,0 +1,3 @@
+from shared.cli import app
+
+app()

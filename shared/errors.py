@@ -1,0 +1,78 @@
+"""One error hierarchy: each error carries an HTTP status and a stable code; the API renders all of them as
+``{"error": {"code", "message", "details"}}``. Workers use ``transient`` to decide between retry and fail."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class VidqError(Exception):
+    status_code = 500
+    code = "internal_error"
+    transient = False
+
+    def __init__(self, message: str, *, details: Any = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details = details
+
+    def to_body(self) -> dict[str, Any]:
+        return {"error": {"code": self.code, "message": self.message, "details": self.details}}
+
+
+class InvalidRequest(VidqError):
+    status_code = 422
+    code = "invalid_request"
+
+
+class Unauthorized(VidqError):
+    status_code = 401
+    code = "unauthorized"
+
+
+class NotFound(VidqError):
+    status_code = 404
+    code = "not_found"
+
+
+class Conflict(VidqError):
+    status_code = 409
+    code = "conflict"
+
+
+class IdempotencyKeyReused(VidqError):
+    status_code = 422
+    code = "idempotency_key_reused"
+
+
+class InvalidTransition(Conflict):
+    code = "invalid_transition"
+
+
+class DependencyUnavailable(VidqError):
+    status_code = 503
+    code = "dependency_unavailable"
+    transient = True
+
+
+class JobCancelled(VidqError):
+    """Raised inside a render when the job was cancelled; stops the denoising loop."""
+
+    status_code = 409
+    code = "cancelled"
+
+
+class LeaseLost(VidqError):
+    """The worker's fencing token is stale: another attempt owns the job now."""
+
+    status_code = 409
+    code = "lease_lost"
+
+
+class RenderFailed(VidqError):
+    code = "render_failed"
+
+
+class InvalidForModel(VidqError):
+    status_code = 422
+    code = "invalid_for_model"

@@ -1,0 +1,73 @@
+"""Job rows → API bodies (the presigned URL is made here, per read, with its expiry)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from shared.config import Settings
+from shared.models import Job
+from shared.schemas import ErrorOut, JobOut, OutputOut, ProgressOut, ScoreOut
+from shared.spec import GenerationSpec
+from shared.storage import Storage
+
+
+def job_links(settings: Settings, job: Job) -> dict[str, str]:
+    base = f"{settings.public_base_url.rstrip('/')}/v1/jobs/{job.id}"
+    return {"self": base, "cancel": f"{base}/cancel", "webhooks": f"{base}/webhooks"}
+
+
+def present_job(job: Job, *, settings: Settings, storage: Storage | None) -> JobOut:
+    spec = GenerationSpec.from_dict(job.spec)
+    total = job.progress_total or spec.steps
+    step = total if job.status == "succeeded" else job.progress_step
+    output = None
+    if job.status == "succeeded" and job.output_key and storage is not None:
+        expiry = settings.presign_expiry_s
+        output = OutputOut(
+            url=storage.presign(job.output_key, expiry_s=expiry),
+            expires_at=datetime.now(UTC) + timedelta(seconds=expiry),
+            poster_url=storage.presign(job.poster_key, expiry_s=expiry) if job.poster_key else None,
+            bytes=job.output_bytes or 0,
+            sha256=job.output_sha256 or "",
+            frames=job.output_frames or spec.num_frames,
+            fps=spec.fps,
+            width=spec.width,
+            height=spec.height,
+        )
+    return JobOut(
+        id=job.id,
+        status=job.status,
+        model=spec.model,
+        prompt=spec.prompt,
+        negative_prompt=spec.negative_prompt,
+        width=spec.width,
+        height=spec.height,
+        num_frames=spec.num_frames,
+        fps=spec.fps,
+        duration_s=job.duration_s,
+        steps=spec.steps,
+        guidance_scale=spec.guidance_scale,
+        seed=spec.seed,
+        score=ScoreOut(
+            value=job.score,
+            complexity=job.score_complexity,
+            resolution=job.score_resolution,
+            duration=job.score_duration,
+        ),
+        priority_class=job.priority_class,
+        queue=job.queue,
+        attempt=job.attempt,
+        cancel_requested=job.cancel_requested,
+        progress=ProgressOut(
+            step=step, total=total, percent=round(100.0 * step / total, 1) if total else 0.0
+        ),
+        created_at=job.created_at,
+        started_at=job.started_at,
+        finished_at=job.finished_at,
+        timings=job.timings or {},
+        error=ErrorOut(code=job.error_code, message=job.error_message or "") if job.error_code else None,
+        output=output,
+        webhook_url=job.webhook_url,
+        metadata=job.metadata_ or {},
+        links=job_links(settings, job),
+    )

@@ -1,0 +1,150 @@
+"""The sweeper: the loop that makes "losing nothing" true.
+
+Each tick, under a Postgres advisory lock (so any number of API replicas can run it, one at a time):
+1. running jobs whose lease expired (dead worker) go back to ``queued`` (or ``failed`` past ``max_attempts``);
+2. queued jobs never sent (crash between commit and send) or sent long ago and never claimed are re-sent;
+3. aging, the anti-starvation rule: a job still queued ``aging_promote_after_s`` after its last send is re-sent
+   one class up (low → medium → high). Workers take queues in strict priority order, so without this a steady
+   stream of high jobs could hold a low job forever; with it, a low job waits at most about
+   2 × aging_promote_after_s before it competes in the high queue, first come first served. The old message is
+   dropped by whichever worker meets it later (the job is no longer ``queued`` then);
+4. expired idempotency keys are deleted;
+5. finished jobs with a webhook but no delivery attempt on record are handed to the webhook queue again.
+Messages are sent only after the tick's transaction commits.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from celery import Celery
+from sqlalchemy import delete, exists, func, select, text
+from sqlalchemy.orm import Session, sessionmaker
+
+from shared.config import Settings
+from shared.dispatch import mark_enqueued, send_job, send_webhook
+from shared.models import IdempotencyKey, Job, WebhookDelivery
+from shared.queues import PriorityClass, Queue
+from shared.states import TERMINAL, JobStatus, expired_leases, recover_expired, unsent_or_lost
+
+log = logging.getLogger("vidq.sweeper")
+
+_LOCK_KEY = 0x76696471  # "vidq"
+
+
+@dataclass
+class SweepReport:
+    requeued: list[uuid.UUID] = field(default_factory=list)
+    failed: list[uuid.UUID] = field(default_factory=list)
+    resent: list[uuid.UUID] = field(default_factory=list)
+    promoted: list[uuid.UUID] = field(default_factory=list)
+    webhooks: list[uuid.UUID] = field(default_factory=list)
+    keys_expired: int = 0
+    skipped: bool = False
+
+
+def queue_for_class(cls: str) -> str:
+    return PriorityClass(cls).queue.value
+
+
+def _promote_due(session: Session, *, now: datetime, after_s: float) -> list[Job]:
+    return list(
+        session.execute(
+            select(Job)
+            .where(
+                Job.status == JobStatus.QUEUED.value,
+                Job.queue != Queue.HIGH.value,
+                Job.enqueued_at < now - timedelta(seconds=after_s),
+            )
+            .order_by(Job.created_at)
+            .limit(100)
+            .with_for_update(skip_locked=True)
+        ).scalars()
+    )
+
+
+def _webhooks_due(session: Session, *, now: datetime, grace_s: float) -> list[uuid.UUID]:
+    return list(
+        session.execute(
+            select(Job.id)
+            .where(
+                Job.status.in_([s.value for s in TERMINAL]),
+                Job.webhook_url.is_not(None),
+                Job.finished_at < now - timedelta(seconds=grace_s),
+                Job.finished_at > now - timedelta(days=1),
+                ~exists().where(WebhookDelivery.job_id == Job.id),
+            )
+            .limit(100)
+        ).scalars()
+    )
+
+
+class Sweeper:
+    def __init__(self, settings: Settings, *, celery: Celery, sessions: sessionmaker[Session]) -> None:
+        self.settings = settings
+        self.celery = celery
+        self.sessions = sessions
+
+    def sweep_once(self) -> SweepReport:
+        s = self.settings
+        report = SweepReport()
+        to_send: list[tuple[uuid.UUID, str]] = []
+        with self.sessions() as session, session.begin():
+            if not session.execute(text("SELECT pg_try_advisory_xact_lock(:k)"), {"k": _LOCK_KEY}).scalar():
+                report.skipped = True
+                return report
+            now = session.execute(select(func.now())).scalar_one()
+            for job in expired_leases(session, now=now):
+                after = recover_expired(session, job)
+                if after is None:
+                    continue
+                if after.status == JobStatus.QUEUED.value:
+                    report.requeued.append(after.id)
+                    to_send.append((after.id, after.queue))
+                else:
+                    report.failed.append(after.id)
+            for job in unsent_or_lost(
+                session, now=now, grace_s=s.enqueue_grace_s, resend_s=s.queued_resend_s
+            ):
+                if job.id not in report.requeued:
+                    report.resent.append(job.id)
+                    to_send.append((job.id, job.queue))
+            for job in _promote_due(session, now=now, after_s=s.aging_promote_after_s):
+                current = PriorityClass(job.queue.removeprefix("video."))
+                report.promoted.append(job.id)
+                to_send.append((job.id, current.promoted().queue.value))
+            report.keys_expired = session.execute(
+                delete(IdempotencyKey).where(IdempotencyKey.expires_at < now)
+            ).rowcount
+            report.webhooks = _webhooks_due(session, now=now, grace_s=max(30.0, s.enqueue_grace_s))
+        # After commit: send, then record the send.
+        for job_id, queue in to_send:
+            if send_job(self.celery, job_id=job_id, queue=queue):
+                with self.sessions() as session, session.begin():
+                    mark_enqueued(session, job_id=job_id, queue=queue)
+        for job_id in report.failed + report.webhooks:
+            send_webhook(self.celery, job_id=job_id)
+        if any((report.requeued, report.failed, report.resent, report.promoted, report.webhooks)):
+            log.info(
+                "sweep",
+                extra={
+                    "requeued": len(report.requeued),
+                    "failed": len(report.failed),
+                    "resent": len(report.resent),
+                    "promoted": len(report.promoted),
+                    "webhooks": len(report.webhooks),
+                },
+            )
+        return report
+
+    def run_forever(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                self.sweep_once()
+            except Exception:
+                log.exception("sweep failed; will retry next tick")
+            stop.wait(self.settings.sweep_interval_s)

@@ -1,0 +1,129 @@
+"""Real processes: the API (uvicorn), Celery workers, and an HTTP receiver for webhooks."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from shared.cli.processes import ProcessGroup, vidq_argv, wait_for_log, wait_http
+
+pytestmark = pytest.mark.integration
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def procs(stack_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProcessGroup]:
+    group = ProcessGroup(
+        env={**os.environ, **stack_env, "PYTHONUNBUFFERED": "1"}, log_dir=tmp_path_factory.mktemp("logs")
+    )
+    yield group
+    group.stop_all(timeout_s=10)
+
+
+@pytest.fixture(scope="session")
+def api_url(procs: ProcessGroup) -> str:
+    port = free_port()
+    procs.env["VIDQ_PUBLIC_BASE_URL"] = f"http://127.0.0.1:{port}"
+    procs.start("api", vidq_argv("api", "--no-migrate", "--port", str(port)))
+    url = f"http://127.0.0.1:{port}"
+    wait_http(f"{url}/readyz", timeout_s=60, group=procs)
+    return url
+
+
+WorkerFactory = Callable[..., str]
+
+
+@pytest.fixture
+def start_worker(procs: ProcessGroup) -> Iterator[WorkerFactory]:
+    """Start a real Celery worker process; waits until it is consuming. Stopped after the test."""
+    started: list[str] = []
+
+    def start(role: str = "all", name: str | None = None, wait: bool = True) -> str:
+        name = name or f"{role}-{len(started)}-{os.urandom(2).hex()}"
+        procs.start(name, vidq_argv("worker", "--role", role, "--name", name))
+        started.append(name)
+        if wait:
+            wait_for_log(procs, name, "ready.", timeout_s=120)
+            if role != "webhooks":
+                wait_for_log(procs, name, "pipeline loaded", timeout_s=120)
+        return name
+
+    yield start
+    for name in started:
+        if name in procs.procs:
+            procs.stop(name, timeout_s=15)
+
+
+@pytest.fixture
+def tenant_key(settings: Any, clean_state: None) -> dict[str, str]:
+    from shared.db import session_scope
+    from shared.tenants import issue_key
+
+    with session_scope(settings) as session:
+        issued = issue_key(session, tenant_name=f"t-{os.urandom(3).hex()}")
+    return issued.__dict__
+
+
+@pytest.fixture
+def client(api_url: str, tenant_key: dict[str, str]) -> Iterator[httpx.Client]:
+    with httpx.Client(
+        base_url=api_url, headers={"Authorization": f"Bearer {tenant_key['api_key']}"}, timeout=30
+    ) as c:
+        yield c
+
+
+class Receiver:
+    def __init__(self) -> None:
+        self.requests: list[dict[str, Any]] = []
+        self.event = threading.Event()
+        received = self.requests
+        event = self.event
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802
+                body = self.rfile.read(int(self.headers.get("content-length", 0)))
+                received.append({"headers": dict(self.headers.items()), "body": body})
+                event.set()
+                self.send_response(204)
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def json_bodies(self) -> list[dict[str, Any]]:
+        return [json.loads(r["body"]) for r in self.requests]
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    r = Receiver()
+    yield r
+    r.close()
+
+
+@pytest.fixture
+def logs_dir(procs: ProcessGroup) -> Path:
+    return procs.log_dir

@@ -1,0 +1,54 @@
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import httpx
+
+from shared.config import Settings
+from shared.db import session_scope
+from shared.models import Job, JobTransition
+
+TINY: dict[str, Any] = {
+    "prompt": "a small red boat on a calm lake",
+    "width": 64,
+    "height": 64,
+    "duration_s": 1.0,
+    "fps": 8,
+    "steps": 4,
+    "seed": 1,
+}
+
+
+def submit(client: httpx.Client, **overrides: Any) -> dict[str, Any]:
+    r = client.post("/v1/jobs", json={**TINY, **overrides})
+    assert r.status_code == 202, r.text
+    return r.json()
+
+
+def wait_job(
+    client: httpx.Client, job_id: str, statuses: set[str], *, timeout_s: float = 90, min_step: int = 0
+) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    job: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        job = client.get(f"/v1/jobs/{job_id}").raise_for_status().json()
+        if job["status"] in statuses and job["progress"]["step"] >= min_step:
+            return job
+        time.sleep(0.1)
+    raise AssertionError(f"job {job_id} never reached {statuses} (step ≥ {min_step}): {job}")
+
+
+def db_job(settings: Settings, job_id: str) -> Job:
+    with session_scope(settings) as session:
+        job = session.get(Job, uuid.UUID(job_id))
+        assert job is not None
+        session.expunge(job)
+        return job
+
+
+def transitions(settings: Settings, job_id: str) -> list[tuple[str | None, str, int]]:
+    with session_scope(settings) as session:
+        rows = session.query(JobTransition).filter_by(job_id=uuid.UUID(job_id)).order_by(JobTransition.id)
+        return [(r.from_status, r.to_status, r.attempt) for r in rows]

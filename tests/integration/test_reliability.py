@@ -1,0 +1,126 @@
+"""Crashes lose nothing: a killed worker's job is finished by another, a job committed but never sent is sent by
+the sweeper, and a redelivered message for a finished job changes nothing."""
+
+from __future__ import annotations
+
+import signal
+import time
+import uuid
+
+from celery import Celery
+
+from shared.celery_app import make_celery
+from shared.db import session_factory, session_scope
+from shared.queues import TASK_GENERATE
+from shared.storage import Storage
+from shared.sweeper import Sweeper
+from tests.integration.helpers import TINY, db_job, submit, transitions, wait_job
+
+# Long enough on this CPU that the kill lands mid-render.
+SLOW = {"width": 128, "height": 128, "duration_s": 2.0, "fps": 8, "steps": 60}
+
+
+def sweeper(settings) -> Sweeper:
+    return Sweeper(settings, celery=make_celery(settings), sessions=session_factory(settings))
+
+
+def sweep_until(settings, predicate, *, timeout_s: float = 30.0) -> None:
+    sw = sweeper(settings)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        sw.sweep_once()
+        if predicate():
+            return
+        time.sleep(0.3)
+    raise AssertionError("condition never met while sweeping")
+
+
+def test_sigkill_mid_job_then_a_new_worker_finishes_it_once(
+    client, start_worker, procs, settings, tenant_key
+):
+    first = start_worker("video")
+    job = submit(client, **SLOW)
+    wait_job(client, job["id"], {"running"}, min_step=2)
+    procs.signal(first, signal.SIGKILL)  # the whole process group: main process and pool child
+    procs.procs[first].wait(timeout=10)
+
+    start_worker("video")
+    # The dead worker's lease expires; the sweeper re-queues the job; the new worker claims attempt 2.
+    sweep_until(
+        settings,
+        lambda: db_job(settings, job["id"]).attempt == 2 or db_job(settings, job["id"]).status == "queued",
+    )
+    done = wait_job(client, job["id"], {"succeeded", "failed"}, timeout_s=120)
+    assert done["status"] == "succeeded" and done["attempt"] == 2
+    keys = Storage(settings).list_keys(f"videos/{tenant_key['tenant_id']}/")
+    assert sorted(keys) == sorted(
+        [
+            f"videos/{tenant_key['tenant_id']}/{job['id']}.mp4",
+            f"videos/{tenant_key['tenant_id']}/{job['id']}.jpg",
+        ]
+    )
+    moves = transitions(settings, job["id"])
+    assert moves == [
+        ("queued", "running", 1),
+        ("running", "queued", 1),
+        ("queued", "running", 2),
+        ("running", "succeeded", 2),
+    ]
+
+
+def test_commit_then_crash_before_send_the_sweeper_sends_it(client, start_worker, settings, tenant_key):
+    from services.api.jobs_service import create_job
+    from shared.models import Tenant
+    from shared.schemas import JobCreate
+
+    # The API's own create path, committed, and then "crash": no message is ever sent.
+    with session_scope(settings) as session:
+        tenant = session.get(Tenant, uuid.UUID(tenant_key["tenant_id"]))
+        job = create_job(session, settings, tenant=tenant, body=JobCreate(**TINY))
+        job_id = str(job.id)
+    start_worker("video")
+    time.sleep(1.0)
+    assert db_job(settings, job_id).status == "queued"  # nobody knows about it yet
+    report = sweeper(settings).sweep_once()
+    assert uuid.UUID(job_id) in report.resent
+    done = wait_job(client, job_id, {"succeeded", "failed"})
+    assert done["status"] == "succeeded" and done["attempt"] == 1
+
+
+def test_redelivered_message_for_a_finished_job_changes_nothing(client, start_worker, procs, settings):
+    worker = start_worker("video")
+    job = submit(client)
+    done = wait_job(client, job["id"], {"succeeded"})
+    before = db_job(settings, job["id"])
+    moves_before = transitions(settings, job["id"])
+
+    celery: Celery = make_celery(settings)
+    celery.send_task(TASK_GENERATE, args=[job["id"]], queue="video.high")
+    log = procs.log_dir / f"{worker}.log"
+    deadline = time.monotonic() + 30
+    while "message dropped" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "message dropped" in log.read_text()
+    after = db_job(settings, job["id"])
+    assert (after.status, after.attempt, after.output_sha256, after.finished_at) == (
+        before.status,
+        before.attempt,
+        before.output_sha256,
+        before.finished_at,
+    )
+    assert transitions(settings, job["id"]) == moves_before
+    assert client.get(f"/v1/jobs/{job['id']}").json()["output"]["sha256"] == done["output"]["sha256"]
+
+
+def test_poison_job_fails_after_max_attempts(client, start_worker, procs, settings):
+    job = submit(client, **SLOW)
+    for attempt in range(1, settings.max_attempts + 1):
+        name = start_worker("video")
+        wait_job(client, job["id"], {"running"}, min_step=1, timeout_s=60)
+        procs.signal(name, signal.SIGKILL)
+        procs.procs[name].wait(timeout=10)
+        assert db_job(settings, job["id"]).attempt == attempt
+        sweep_until(settings, lambda: db_job(settings, job["id"]).status in {"queued", "failed"})
+    final = client.get(f"/v1/jobs/{job['id']}").json()
+    assert final["status"] == "failed" and final["error"]["code"] == "max_attempts_exceeded"
+    assert final["attempt"] == settings.max_attempts

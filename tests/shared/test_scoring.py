@@ -1,0 +1,72 @@
+from __future__ import annotations
+
+import pytest
+
+from shared.config import Settings
+from shared.queues import PriorityClass
+from shared.scoring import complexity, duration_factor, node_count, resolution_factor, score_job
+from shared.spec import frames_for
+
+
+def test_node_count_is_documented_and_deterministic():
+    # 3 words, 1 clause (+2), 0 modifiers
+    assert node_count("a red boat") == 3 + 2 + 1  # "red" is a modifier word
+    # words 6, clauses 2 ("a fox runs", "then jumps quickly"), modifiers 1 ("quickly")
+    assert node_count("a fox runs, then jumps quickly") == 6 + 4 + 1
+    assert node_count("  ") == 0 + 2 + 0
+    assert node_count("a fox runs, then jumps quickly") == node_count("a fox runs, then jumps quickly")
+
+
+def test_complexity_saturates_at_one():
+    assert complexity("boat " * 500, node_norm=200) == 1.0
+    assert 0 < complexity("boat", node_norm=200) < 0.05
+
+
+@pytest.mark.parametrize(("w", "h", "expected"), [(16, 16, 0.3), (2048, 2048, 1.0), (4096, 4096, 1.0)])
+def test_resolution_factor_bounds(w, h, expected):
+    assert resolution_factor(w, h) == pytest.approx(expected, abs=1e-3)
+
+
+def test_resolution_factor_grows_with_pixels():
+    sizes = [(64, 64), (416, 240), (832, 480), (1280, 720), (1920, 1088)]
+    values = [resolution_factor(w, h) for w, h in sizes]
+    assert values == sorted(values) and all(0.3 <= v <= 1.0 for v in values)
+
+
+@pytest.mark.parametrize(
+    ("s", "d"), [(0.05, 1.0), (0.1, 1.0), (1.0, 1.0), (2.0, 0.5), (10.0, 0.1), (60, 1 / 60)]
+)
+def test_duration_factor(s, d):
+    assert duration_factor(s) == pytest.approx(d)
+
+
+def test_score_weights_and_classes_follow_settings():
+    s = Settings()
+    sc = score_job(s, prompt="boat", width=64, height=64, duration_s=3.0)
+    assert sc.value == pytest.approx(
+        0.4 * sc.complexity + 0.35 * sc.resolution + 0.25 * sc.duration, abs=1e-3
+    )
+    assert sc.priority_class is PriorityClass.LOW
+    lenient = Settings(score_high=0.1, score_medium=0.05)
+    assert (
+        score_job(lenient, prompt="boat", width=64, height=64, duration_s=3.0).priority_class
+        is PriorityClass.HIGH
+    )
+    busy = ", ".join(["a bright golden red dragon slowly flying over misty blue mountains"] * 12)
+    assert (
+        score_job(s, prompt=busy, width=448, height=448, duration_s=0.25).priority_class is PriorityClass.HIGH
+    )
+
+
+def test_class_maps_to_queue_and_promotes():
+    assert PriorityClass.LOW.queue == "video.low"
+    assert PriorityClass.LOW.promoted() is PriorityClass.MEDIUM
+    assert PriorityClass.HIGH.promoted() is PriorityClass.HIGH
+
+
+@pytest.mark.parametrize(
+    ("dur", "fps", "frames"), [(1.0, 8, 9), (2.0, 16, 33), (0.25, 4, 1), (5.0, 16, 81), (1.0, 10, 13)]
+)
+def test_frames_are_4k_plus_1_and_cover_the_duration(dur, fps, frames):
+    assert frames_for(dur, fps) == frames
+    assert (frames - 1) % 4 == 0 and frames >= dur * fps

@@ -1,0 +1,181 @@
+"""The model registry and VideoPipeline on the tiny Wan pipeline (CPU, float32, random weights: noise)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from diffusers import WanPipeline
+
+from services.worker.models import TINY_WAN, build_pipeline, build_tokenizer, get_pipeline, resolve_device
+from services.worker.models import clear_cache as clear_pipeline_cache
+from services.worker.pipeline import PermanentRenderError, RenderResult, VideoPipeline
+from shared.spec import GenerationSpec
+
+CPU = torch.device("cpu")
+STEPS = 3
+
+
+class Cancelled(Exception):
+    """Stands in for the task layer's JobCancelled."""
+
+
+def make_spec(**overrides: object) -> GenerationSpec:
+    values: dict[str, object] = {
+        "model": TINY_WAN,
+        "prompt": "a red fox runs through the snow at sunset",
+        "negative_prompt": "blurry, static",
+        "width": 64,
+        "height": 64,
+        "num_frames": 9,
+        "fps": 8,
+        "steps": STEPS,
+        "guidance_scale": 5.0,
+        "seed": 7,
+    }
+    values.update(overrides)
+    return GenerationSpec(**values)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def tiny() -> VideoPipeline:
+    pipe = build_pipeline(TINY_WAN, device=CPU, dtype=torch.float32)
+    return VideoPipeline(pipe, model=TINY_WAN, device=CPU, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny: VideoPipeline) -> RenderResult:
+    return tiny.generate(make_spec())
+
+
+def test_tiny_wan_is_a_real_wan_pipeline_with_identical_weights_every_build() -> None:
+    first = build_pipeline(TINY_WAN, device=CPU, dtype=torch.float32)
+    second = build_pipeline(TINY_WAN, device=CPU, dtype=torch.float32)
+    assert isinstance(first, WanPipeline)
+    for name in ("transformer", "text_encoder", "vae"):
+        a, b = getattr(first, name).state_dict(), getattr(second, name).state_dict()
+        assert a.keys() == b.keys()
+        for key in a:
+            assert torch.equal(a[key], b[key]), f"{name}.{key} differs between builds"
+
+
+def test_tokenizer_is_deterministic_and_ends_with_eos() -> None:
+    tokenizer = build_tokenizer()
+    ids = tokenizer("A Cat, running 12 zorbly!").input_ids
+    assert ids == build_tokenizer()("A Cat, running 12 zorbly!").input_ids
+    assert ids[-1] == tokenizer.eos_token_id == 1
+    assert tokenizer.unk_token_id in ids  # "zorbly" is not in the vocabulary
+    assert (tokenizer.pad_token_id, tokenizer.unk_token_id) == (0, 2)
+
+
+def test_generate_returns_uint8_frames_and_stage_timings(reference: RenderResult) -> None:
+    assert reference.frames.shape == (9, 64, 64, 3)
+    assert reference.frames.dtype == np.uint8
+    assert set(reference.timings_s) == {"encode_text", "denoise", "decode", "total"}
+    assert all(seconds >= 0 for seconds in reference.timings_s.values())
+    assert reference.timings_s["total"] >= reference.timings_s["denoise"]
+    assert (reference.device, reference.dtype, reference.peak_vram_bytes) == ("cpu", "float32", None)
+    assert reference.frames.std() > 0  # noise, but not a constant image
+
+
+def test_same_seed_same_frames_other_seed_other_frames(tiny: VideoPipeline, reference: RenderResult) -> None:
+    assert np.array_equal(tiny.generate(make_spec()).frames, reference.frames)
+    assert not np.array_equal(tiny.generate(make_spec(seed=8)).frames, reference.frames)
+
+
+def test_matches_a_plain_diffusers_call(tiny: VideoPipeline, reference: RenderResult) -> None:
+    spec = make_spec()
+    (video,) = tiny.pipe(
+        prompt=spec.prompt,
+        negative_prompt=spec.negative_prompt,
+        height=spec.height,
+        width=spec.width,
+        num_frames=spec.num_frames,
+        num_inference_steps=spec.steps,
+        guidance_scale=spec.guidance_scale,
+        generator=torch.Generator(device="cpu").manual_seed(spec.seed),
+        output_type="np",
+        return_dict=False,
+    )
+    plain = np.clip(np.rint(video[0] * 255.0), 0, 255).astype(np.uint8)
+    assert np.array_equal(plain, reference.frames)
+
+
+def test_without_guidance_no_negative_prompt_is_encoded(tiny: VideoPipeline) -> None:
+    result = tiny.generate(make_spec(guidance_scale=1.0, steps=2))
+    assert result.frames.shape == (9, 64, 64, 3)
+
+
+def test_on_step_reports_every_step(tiny: VideoPipeline) -> None:
+    calls: list[tuple[int, int]] = []
+    tiny.generate(make_spec(), on_step=lambda done, total: calls.append((done, total)))
+    assert calls == [(i, STEPS) for i in range(1, STEPS + 1)]
+
+
+def test_exception_from_on_step_propagates_and_stops_the_render(tiny: VideoPipeline) -> None:
+    calls: list[int] = []
+
+    def cancel_at_two(done: int, total: int) -> None:
+        calls.append(done)
+        if done == 2:
+            raise Cancelled
+
+    with pytest.raises(Cancelled):
+        tiny.generate(make_spec(steps=4), on_step=cancel_at_two)
+    assert calls == [1, 2]
+
+
+def test_value_error_from_on_step_is_not_turned_into_a_permanent_error(tiny: VideoPipeline) -> None:
+    def fail(done: int, total: int) -> None:
+        raise ValueError("the caller's own error")
+
+    with pytest.raises(ValueError, match="the caller's own error") as caught:
+        tiny.generate(make_spec(), on_step=fail)
+    assert not isinstance(caught.value, PermanentRenderError)
+
+
+def test_model_rejecting_the_input_is_a_permanent_error(
+    tiny: VideoPipeline, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def reject(*args: object, **kwargs: object) -> None:
+        raise ValueError("`height` and `width` have to be divisible by 16")
+
+    monkeypatch.setattr(tiny.pipe, "check_inputs", reject)
+    with pytest.raises(PermanentRenderError) as caught:
+        tiny.generate(make_spec())
+    assert isinstance(caught.value.__cause__, ValueError)
+
+
+def test_registry_loads_a_saved_pipeline_from_a_local_folder(
+    tiny: VideoPipeline, reference: RenderResult, tmp_path: Path
+) -> None:
+    tiny.pipe.save_pretrained(tmp_path)
+    loaded = build_pipeline(str(tmp_path), device=CPU, dtype=torch.float32)
+    assert isinstance(loaded, WanPipeline)
+    result = VideoPipeline(loaded, model=str(tmp_path), device=CPU, dtype=torch.float32).generate(make_spec())
+    assert np.array_equal(result.frames, reference.frames)
+
+
+def test_local_model_needs_a_folder() -> None:
+    with pytest.raises(ValueError, match="model_dir"):
+        build_pipeline("local", device=CPU, dtype=torch.float32)
+
+
+def test_resolve_device_on_cpu() -> None:
+    assert resolve_device("cpu") == (CPU, torch.float32)
+    if not torch.cuda.is_available():
+        assert resolve_device(None) == (CPU, torch.float32)
+        with pytest.raises(RuntimeError, match="CUDA"):
+            resolve_device("cuda")
+
+
+def test_get_pipeline_builds_once_per_process() -> None:
+    clear_pipeline_cache()
+    try:
+        first = get_pipeline(TINY_WAN)
+        assert get_pipeline(TINY_WAN) is first
+        assert first.model == TINY_WAN
+    finally:
+        clear_pipeline_cache()

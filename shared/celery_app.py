@@ -10,6 +10,7 @@ by aging in the sweeper, not by the broker (see shared/sweeper.py).
 from __future__ import annotations
 
 from celery import Celery
+from kombu import Exchange
 from kombu import Queue as KQueue
 
 from shared.config import Settings
@@ -19,7 +20,7 @@ from shared.queues import TASK_DELIVER_WEBHOOK, TASK_GENERATE, Queue
 def make_celery(settings: Settings) -> Celery:
     app = Celery("vidq", broker=str(settings.broker_url), set_as_current=True)
     app.conf.update(
-        task_queues=[KQueue(q.value, routing_key=q.value) for q in Queue],
+        task_queues=[KQueue(q.value, Exchange(q.value, type="direct"), routing_key=q.value) for q in Queue],
         task_default_queue=Queue.MEDIUM.value,
         task_routes={
             TASK_DELIVER_WEBHOOK: {"queue": Queue.WEBHOOKS.value},
@@ -46,5 +47,6 @@ def make_celery(settings: Settings) -> Celery:
         worker_send_task_events=True,
         task_send_sent_event=True,
         worker_hijack_root_logger=False,
+        worker_redirect_stdouts=False,
     )
     return app

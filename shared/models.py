@@ -117,9 +117,7 @@ class JobTransition(Base):
 class IdempotencyKey(Base):
     __tablename__ = "idempotency_keys"
 
-    tenant_id: Mapped[uuid.UUID] = mapped_column(
-        ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True
-    )
+    tenant_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True)
     key: Mapped[str] = mapped_column(String(200), primary_key=True)
     request_hash: Mapped[str] = mapped_column(String(64))
     job_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))

@@ -58,9 +58,7 @@ def present_job(job: Job, *, settings: Settings, storage: Storage | None) -> Job
         queue=job.queue,
         attempt=job.attempt,
         cancel_requested=job.cancel_requested,
-        progress=ProgressOut(
-            step=step, total=total, percent=round(100.0 * step / total, 1) if total else 0.0
-        ),
+        progress=ProgressOut(step=step, total=total, percent=round(100.0 * step / total, 1) if total else 0.0),
         created_at=job.created_at,
         started_at=job.started_at,
         finished_at=job.finished_at,

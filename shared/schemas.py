@@ -46,9 +46,7 @@ class JobCreate(BaseModel):
     @field_validator("webhook_url")
     @classmethod
     def _webhook(cls, v: str | None) -> str | None:
-        return (
-            None if v is None else validate_webhook_url(v, allow_private=get_settings().webhook_allow_private)
-        )
+        return None if v is None else validate_webhook_url(v, allow_private=get_settings().webhook_allow_private)
 
     @model_validator(mode="after")
     def _caps(self) -> JobCreate:

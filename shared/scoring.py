@@ -79,9 +79,7 @@ def node_count(prompt: str) -> int:
     words = _WORD.findall(prompt)
     clauses = max(1, sum(1 for part in _CLAUSE_SPLIT.split(prompt) if part and _WORD.search(part)))
     modifiers = sum(
-        1
-        for w in (w.lower() for w in words)
-        if w in _MODIFIER_WORDS or (len(w) > 3 and w.endswith(_MODIFIER_SUFFIXES))
+        1 for w in (w.lower() for w in words) if w in _MODIFIER_WORDS or (len(w) > 3 and w.endswith(_MODIFIER_SUFFIXES))
     )
     return len(words) + 2 * clauses + modifiers
 
@@ -113,9 +111,7 @@ def score_job(settings: Settings, *, prompt: str, width: int, height: int, durat
     r = resolution_factor(width, height)
     d = duration_factor(duration_s)
     value = (
-        settings.score_weight_complexity * c
-        + settings.score_weight_resolution * r
-        + settings.score_weight_duration * d
+        settings.score_weight_complexity * c + settings.score_weight_resolution * r + settings.score_weight_duration * d
     )
     if value >= settings.score_high:
         cls = PriorityClass.HIGH

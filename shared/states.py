@@ -43,9 +43,7 @@ TERMINAL = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED
 
 ALLOWED: dict[JobStatus, frozenset[JobStatus]] = {
     JobStatus.QUEUED: frozenset({JobStatus.RUNNING, JobStatus.CANCELLED, JobStatus.FAILED}),
-    JobStatus.RUNNING: frozenset(
-        {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.QUEUED}
-    ),
+    JobStatus.RUNNING: frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.QUEUED}),
     JobStatus.SUCCEEDED: frozenset(),
     JobStatus.FAILED: frozenset(),
     JobStatus.CANCELLED: frozenset(),
@@ -60,9 +58,7 @@ def _sources(dst: JobStatus) -> list[str]:
     return [s.value for s, targets in ALLOWED.items() if dst in targets]
 
 
-def _record(
-    session: Session, *, job_id: uuid.UUID, src: str | None, dst: JobStatus, attempt: int, reason: str
-) -> None:
+def _record(session: Session, *, job_id: uuid.UUID, src: str | None, dst: JobStatus, attempt: int, reason: str) -> None:
     session.execute(
         insert(JobTransition).values(
             job_id=job_id, from_status=src, to_status=dst.value, attempt=attempt, reason=reason[:200]
@@ -302,9 +298,7 @@ def recover_expired(session: Session, job: Job) -> Job | None:
     )
 
 
-def unsent_or_lost(
-    session: Session, *, now: datetime, grace_s: float, resend_s: float, limit: int = 100
-) -> list[Job]:
+def unsent_or_lost(session: Session, *, now: datetime, grace_s: float, resend_s: float, limit: int = 100) -> list[Job]:
     """Queued jobs never sent (crash between commit and send) or sent long ago and never claimed."""
     return list(
         session.execute(

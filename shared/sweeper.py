@@ -107,9 +107,7 @@ class Sweeper:
                     to_send.append((after.id, after.queue))
                 else:
                     report.failed.append(after.id)
-            for job in unsent_or_lost(
-                session, now=now, grace_s=s.enqueue_grace_s, resend_s=s.queued_resend_s
-            ):
+            for job in unsent_or_lost(session, now=now, grace_s=s.enqueue_grace_s, resend_s=s.queued_resend_s):
                 if job.id not in report.requeued:
                     report.resent.append(job.id)
                     to_send.append((job.id, job.queue))
@@ -117,9 +115,8 @@ class Sweeper:
                 current = PriorityClass(job.queue.removeprefix("video."))
                 report.promoted.append(job.id)
                 to_send.append((job.id, current.promoted().queue.value))
-            report.keys_expired = session.execute(
-                delete(IdempotencyKey).where(IdempotencyKey.expires_at < now)
-            ).rowcount
+            expired = session.execute(delete(IdempotencyKey).where(IdempotencyKey.expires_at < now))
+            report.keys_expired = int(getattr(expired, "rowcount", 0) or 0)
             report.webhooks = _webhooks_due(session, now=now, grace_s=max(30.0, s.enqueue_grace_s))
         # After commit: send, then record the send.
         for job_id, queue in to_send:

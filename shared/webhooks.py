@@ -32,9 +32,7 @@ USER_AGENT = "vidq-webhooks/1"
 MAX_URL_LENGTH = 2048
 EXCERPT_CHARS = 512
 # Metadata endpoints hand out cloud credentials: refused even when private addresses are allowed.
-METADATA_ADDRESSES = frozenset(
-    ipaddress.ip_address(a) for a in ("169.254.169.254", "fd00:ec2::254", "100.100.100.200")
-)
+METADATA_ADDRESSES = frozenset(ipaddress.ip_address(a) for a in ("169.254.169.254", "fd00:ec2::254", "100.100.100.200"))
 _CGNAT = ipaddress.ip_network("100.64.0.0/10")  # the stdlib calls it neither private nor global
 _THIS_NETWORK = ipaddress.ip_network("0.0.0.0/8")  # Linux delivers 0.x to the local host
 _PRIVATE_KINDS = frozenset({"loopback", "link-local", "private", "carrier-grade NAT"})

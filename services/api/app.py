@@ -65,8 +65,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         details = [
-            {"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")}
-            for e in exc.errors()
+            {"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")} for e in exc.errors()
         ]
         message = "; ".join(d["msg"].removeprefix("Value error, ") for d in details) or "invalid request"
         return JSONResponse(
@@ -78,9 +77,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         start = time.perf_counter()
         response = await call_next(request)
         route = request.scope.get("route")
-        REQUEST_SECONDS.labels(
-            request.method, getattr(route, "path", "unmatched"), str(response.status_code)
-        ).observe(time.perf_counter() - start)
+        REQUEST_SECONDS.labels(request.method, getattr(route, "path", "unmatched"), str(response.status_code)).observe(
+            time.perf_counter() - start
+        )
         return response
 
     return app

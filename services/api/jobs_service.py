@@ -34,9 +34,7 @@ def create_job(session: Session, settings: Settings, *, tenant: Tenant, body: Jo
         guidance_scale=body.guidance_scale,
         seed=body.resolved_seed(),
     )
-    score = score_job(
-        settings, prompt=body.prompt, width=body.width, height=body.height, duration_s=body.duration_s
-    )
+    score = score_job(settings, prompt=body.prompt, width=body.width, height=body.height, duration_s=body.duration_s)
     job = Job(
         id=uuid.uuid4(),
         tenant_id=tenant.id,
@@ -117,9 +115,7 @@ def _live_key(session: Session, *, tenant_id: uuid.UUID, key: str) -> Idempotenc
 
 def get_job(session: Session, *, tenant_id: uuid.UUID, job_id: uuid.UUID) -> Job:
     # Another tenant's id is indistinguishable from a missing one (404, never 403).
-    job = session.execute(
-        select(Job).where(Job.id == job_id, Job.tenant_id == tenant_id)
-    ).scalar_one_or_none()
+    job = session.execute(select(Job).where(Job.id == job_id, Job.tenant_id == tenant_id)).scalar_one_or_none()
     if job is None:
         raise NotFound("job not found")
     return job
@@ -152,8 +148,6 @@ def list_jobs(
     if cursor is not None:
         ts, jid = decode_cursor(cursor)
         stmt = stmt.where(or_(Job.created_at < ts, and_(Job.created_at == ts, Job.id < jid)))
-    rows = list(
-        session.execute(stmt.order_by(Job.created_at.desc(), Job.id.desc()).limit(limit + 1)).scalars()
-    )
+    rows = list(session.execute(stmt.order_by(Job.created_at.desc(), Job.id.desc()).limit(limit + 1)).scalars())
     next_cursor = encode_cursor(rows[limit - 1]) if len(rows) > limit else None
     return rows[:limit], next_cursor

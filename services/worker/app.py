@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from celery.signals import worker_process_init, worker_process_shutdown
+from celery.signals import setup_logging, worker_process_init, worker_process_shutdown
 
 from shared.celery_app import make_celery
 from shared.config import get_settings
@@ -24,9 +24,14 @@ celery.conf.include = ["services.worker.tasks", "services.worker.webhook_tasks"]
 app = celery
 
 
+@setup_logging.connect
+def _logging(**_: Any) -> None:
+    # Connecting here stops Celery from installing its own handlers: the worker logs JSON like every service.
+    configure_logging(level=settings.log_level, json_logs=settings.log_json)
+
+
 @worker_process_init.connect
 def _init_child(**_: Any) -> None:
-    configure_logging(level=settings.log_level, json_logs=settings.log_json)
     dispose_engines()  # never share a parent's sockets across fork
     for model in settings.worker_preload_models:
         from services.worker.models import get_pipeline

@@ -20,14 +20,15 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from diffusers import (
-    AutoencoderKLWan,
-    DiffusionPipeline,
-    FlowMatchEulerDiscreteScheduler,
-    UniPCMultistepScheduler,
-    WanPipeline,
-    WanTransformer3DModel,
-)
+
+# From their own modules: to a type checker the package root re-exports placeholder classes.
+from diffusers.models.autoencoders.autoencoder_kl_wan import AutoencoderKLWan
+from diffusers.models.transformers.transformer_wan import WanTransformer3DModel
+from diffusers.pipelines.pipeline_utils import DiffusionPipeline
+from diffusers.pipelines.wan.pipeline_wan import WanPipeline
+from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
+from diffusers.schedulers.scheduling_unipc_multistep import UniPCMultistepScheduler
+from diffusers.schedulers.scheduling_utils import SchedulerMixin
 from tokenizers import Tokenizer, normalizers, pre_tokenizers, processors
 from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
@@ -38,33 +39,29 @@ from shared.config import get_settings
 TINY_WAN = "tiny-wan"
 WAN21_13B_ARCH = "wan2.1-1.3b-arch"
 LOCAL = "local"  # served from settings.model_dir
-BUILTIN_MODELS = (TINY_WAN, WAN21_13B_ARCH)
 
 SPECIAL_TOKENS = ("<pad>", "</s>", "<unk>")  # ids 0, 1, 2: the ids UMT5 configs use for pad and eos
 MAX_TEXT_TOKENS = 512  # WanPipeline pads every prompt to 512 tokens
 
 # A fixed vocabulary: the tokenizer (and so every embedding) is the same on every machine and in every build.
 _WORDS = """
-a an the and or but of in on at to from with without by for over under above below into onto through across
-near far behind beside between around along inside outside up down left right front back top bottom is are
-was be being has have it its this that these those there here who what where when how very slowly quickly
-gently softly suddenly together alone again still just not no all some many few more most one two three man
-woman boy girl child children baby person people family friend crowd dancer runner rider painter chef cat
-dog bird fish horse cow sheep lion tiger bear wolf fox rabbit deer elephant monkey dragon butterfly bee tree
-trees flower flowers grass leaf leaves forest jungle garden field meadow mountain mountains hill valley
-river lake sea ocean beach wave waves island desert sand snow ice rain storm cloud clouds sky sun moon star
-stars city street road bridge building house room kitchen window door wall table chair bed car bus train
-boat ship plane bicycle robot castle tower village park market light shadow fire smoke water wind night day
-morning evening sunset sunrise spring summer autumn winter walk walks walking run runs running jump jumps
-jumping fly flies flying swim swims swimming dance dances dancing play plays playing sit sits sitting stand
-stands standing look looks looking turn turns turning fall falls falling move moves moving spin spins
-spinning cook cooking eat eating drink drinking read reading write writing sing singing laugh laughing smile
-smiling talk talking hold holding open opening close closing red orange yellow green blue purple pink brown
-black white gray grey gold silver dark bright warm cold big small tall short long old young new beautiful
-happy sad calm quiet loud wild soft hard wet dry clear blurry sharp detailed realistic cinematic dramatic
-colorful static smooth shaky high low quality worst best video frame frames scene shot camera view close-up
-wide zoom pan slow motion style painting photo image film cartoon anime background foreground subtitles text
-overexposed ugly deformed extra fingers hands faces 0 1 2 3 4 5 6 7 8 9 . , ! ? : ; ' " - ( )
+a an the and or but of in on at to from with without by for over under above below into through across near
+far behind beside between around along inside outside up down left right front back top is are was be has
+have it its this that there here who what where when how very slowly quickly gently suddenly together alone
+still not no all some many few more one two three man woman boy girl child children baby person people
+family crowd dancer cat dog bird fish horse cow lion tiger bear wolf fox rabbit deer elephant monkey dragon
+butterfly tree trees flower flowers grass leaves forest garden field mountain mountains hill valley river
+lake sea ocean beach waves island desert sand snow ice rain storm clouds sky sun moon stars city street road
+bridge building house room kitchen window door table car bus train boat ship plane bicycle robot castle
+tower village park market light shadow fire smoke water wind night day morning evening sunset sunrise spring
+summer autumn winter walking running jumping flying swimming dancing playing sitting standing looking
+turning falling moving spinning cooking eating drinking reading writing singing laughing smiling talking
+holding opening red orange yellow green blue purple pink brown black white gray gold silver dark bright warm
+cold big small tall long old young new beautiful happy sad calm quiet wild soft wet clear blurry sharp
+detailed realistic cinematic dramatic colorful static smooth shaky high low quality worst best video frame
+scene shot camera view close-up wide zoom slow motion style painting photo image film cartoon anime
+background subtitles text overexposed ugly deformed extra fingers hands faces 0 1 2 3 4 5 6 7 8 9 . , ! ? :
+; ' " - ( )
 """
 
 
@@ -85,7 +82,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     tokenizer.post_processor = processors.TemplateProcessing(
         single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", 1)]
     )
-    return PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tokenizer,
         pad_token="<pad>",
         eos_token="</s>",
@@ -94,9 +91,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def resolve_device(
-    pref: str | None = None, *, cuda_dtype: str | None = None
-) -> tuple[torch.device, torch.dtype]:
+def resolve_device(pref: str | None = None, *, cuda_dtype: str | None = None) -> tuple[torch.device, torch.dtype]:
     """Pick the device and compute dtype: CUDA in bf16 (fp16 where bf16 is missing), else CPU in float32.
 
     ``pref`` is ``settings.device`` ("cuda", "cuda:1", "cpu" or None for "CUDA if there is one").
@@ -119,8 +114,8 @@ def build_pipeline(
 ) -> DiffusionPipeline:
     """Build the diffusers pipeline for ``model`` on ``device``: transformer and text encoder in ``dtype``.
 
-    The VAE stays in float32 in every case: Wan's reference code decodes in fp32, its causal 3D convolutions
-    lose visible detail in half precision, and decoding is a small share of the time.
+    The VAE stays in float32 in every case, as Wan's reference code and diffusers' Wan examples run it;
+    decoding is a small share of a render's time.
     """
     if model == TINY_WAN:
         return _tiny_wan(device=device, dtype=dtype)
@@ -136,7 +131,7 @@ def build_pipeline(
         local_files_only=Path(source).is_dir(),
     )
     pipe.to(device)
-    pipe.set_progress_bar_config(disable=True)  # progress goes through on_step, not stderr
+    pipe.set_progress_bar_config(disable=True)  # type: ignore[no-untyped-call]  # progress: on_step
     return pipe
 
 
@@ -144,7 +139,7 @@ def _tiny_wan(*, device: torch.device, dtype: torch.dtype) -> WanPipeline:
     """Tiny Wan with seeded random weights (sizes of diffusers' own Wan pipeline tests). It renders noise."""
     tokenizer = build_tokenizer()
     # Built on the CPU in fp32 with a seed before each module, so the weights are the same on every machine.
-    with torch.device("cpu"):
+    with _materialise_on(torch.device("cpu"), torch.float32):
         torch.manual_seed(0)
         vae = AutoencoderKLWan(
             base_dim=3,
@@ -182,12 +177,7 @@ def _tiny_wan(*, device: torch.device, dtype: torch.dtype) -> WanPipeline:
             rope_max_seq_len=32,
         )
     scheduler = FlowMatchEulerDiscreteScheduler(shift=7.0)
-    _cast(transformer, dtype, keep_fp32=WanTransformer3DModel._keep_in_fp32_modules or ())
-    _cast(text_encoder, dtype, keep_fp32=_text_encoder_fp32_modules(text_encoder, dtype))
-    pipe = WanPipeline(
-        tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler, transformer=transformer
-    )
-    return _ready(pipe, device)
+    return _assemble(tokenizer, text_encoder, transformer, vae, scheduler, device=device, dtype=dtype)
 
 
 def _wan21_13b_arch(*, device: torch.device, dtype: torch.dtype) -> WanPipeline:
@@ -208,7 +198,6 @@ def _wan21_13b_arch(*, device: torch.device, dtype: torch.dtype) -> WanPipeline:
                 relative_attention_max_distance=128,
                 feed_forward_proj="gated-gelu",
                 dropout_rate=0.0,
-                tie_word_embeddings=False,
             )
         )
         torch.manual_seed(0)
@@ -229,27 +218,37 @@ def _wan21_13b_arch(*, device: torch.device, dtype: torch.dtype) -> WanPipeline:
     with _materialise_on(device, torch.float32):
         torch.manual_seed(0)
         vae = AutoencoderKLWan()
-    # Upcast what from_pretrained(torch_dtype=...) would keep in fp32, so precision matches a real checkpoint.
-    _cast(transformer, torch.float32, keep_fp32=(), only=WanTransformer3DModel._keep_in_fp32_modules or ())
-    _cast(text_encoder, torch.float32, keep_fp32=(), only=_text_encoder_fp32_modules(text_encoder, dtype))
     scheduler = UniPCMultistepScheduler(
         prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000, flow_shift=3.0
     )
+    return _assemble(build_tokenizer(), text_encoder, transformer, vae, scheduler, device=device, dtype=dtype)
+
+
+def _assemble(
+    tokenizer: PreTrainedTokenizerFast,
+    text_encoder: UMT5EncoderModel,
+    transformer: WanTransformer3DModel,
+    vae: AutoencoderKLWan,
+    scheduler: SchedulerMixin,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> WanPipeline:
+    # The precision from_pretrained(dtype=...) would give a real checkpoint: dtype, except the modules each
+    # library lists as fp32-only. The VAE is left in the fp32 it was built in (see build_pipeline).
+    _cast(transformer, dtype, keep_fp32=WanTransformer3DModel._keep_in_fp32_modules or ())
+    _cast(text_encoder, dtype, keep_fp32=_text_encoder_fp32_modules(text_encoder, dtype))
     pipe = WanPipeline(
-        tokenizer=build_tokenizer(),
+        tokenizer=tokenizer,  # type: ignore[arg-type]  # annotated AutoTokenizer, takes any tokenizer
         text_encoder=text_encoder,
         vae=vae,
-        scheduler=scheduler,
+        scheduler=scheduler,  # type: ignore[arg-type]  # annotated FlowMatchEuler, takes any scheduler
         transformer=transformer,
     )
-    return _ready(pipe, device)
-
-
-def _ready(pipe: WanPipeline, device: torch.device) -> WanPipeline:
     pipe.to(device)
-    for module in (pipe.text_encoder, pipe.transformer, pipe.vae):
+    for module in (text_encoder, transformer, vae):
         module.eval()  # modules built by hand start in training mode (dropout on); from_pretrained ones don't
-    pipe.set_progress_bar_config(disable=True)  # progress goes through on_step, not stderr
+    pipe.set_progress_bar_config(disable=True)  # type: ignore[no-untyped-call]  # progress: on_step
     return pipe
 
 
@@ -273,27 +272,17 @@ def _text_encoder_fp32_modules(model: UMT5EncoderModel, dtype: torch.dtype) -> C
     return keep
 
 
-def _cast(
-    module: torch.nn.Module,
-    dtype: torch.dtype,
-    *,
-    keep_fp32: Collection[str],
-    only: Collection[str] | None = None,
-) -> None:
-    """Cast floating tensors to ``dtype`` as ``from_pretrained`` does: names in ``keep_fp32`` stay in fp32.
+def _cast(module: torch.nn.Module, dtype: torch.dtype, *, keep_fp32: Collection[str]) -> None:
+    """Cast floating tensors to ``dtype`` as ``from_pretrained`` does: names in ``keep_fp32`` go to fp32.
 
     A tensor's name matches a listed module when one of its dotted parts equals it (``blocks.0.norm2.weight``
-    matches ``norm2``). With ``only``, just the matching tensors are cast.
+    matches ``norm2``).
     """
     for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
-        if not tensor.is_floating_point():
-            continue
-        parts = set(name.split("."))
-        if only is not None and not parts & set(only):
-            continue
-        target = torch.float32 if parts & set(keep_fp32) else dtype
-        if tensor.dtype != target:
-            tensor.data = tensor.data.to(target)
+        if tensor.is_floating_point():
+            target = torch.float32 if set(name.split(".")) & set(keep_fp32) else dtype
+            if tensor.dtype != target:
+                tensor.data = tensor.data.to(target)
 
 
 _cache: dict[str, VideoPipeline] = {}

@@ -8,15 +8,16 @@ later, reuse cached prompt embeddings.
 
 from __future__ import annotations
 
+import sys
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Any
 
 import numpy as np
 import torch
-from diffusers import DiffusionPipeline
+from diffusers.pipelines.pipeline_utils import DiffusionPipeline  # the root re-exports a placeholder to mypy
 
 from shared.spec import GenerationSpec
 
@@ -41,14 +42,13 @@ class RenderResult:
 class VideoPipeline:
     """A built diffusers pipeline kept warm on its device, with ``generate`` as its one entry point."""
 
-    def __init__(
-        self, pipe: DiffusionPipeline, *, model: str, device: torch.device, dtype: torch.dtype
-    ) -> None:
+    def __init__(self, pipe: DiffusionPipeline, *, model: str, device: torch.device, dtype: torch.dtype) -> None:
         for attribute in ("encode_prompt", "vae", "video_processor"):
             if not hasattr(pipe, attribute):
                 name = type(pipe).__name__
                 raise TypeError(f"{name} has no {attribute!r}: not a Wan-family video pipeline")
-        self.pipe = pipe
+        # Any: diffusers pipelines share no typed call interface; the Wan one was checked above.
+        self.pipe: Any = pipe
         self.model = model
         self.device = device
         self.dtype = dtype
@@ -73,7 +73,7 @@ class VideoPipeline:
             # activations. Drop those frames' locals now so the memory goes back to the device while the
             # caller is still handling the exception (it may keep it, e.g. to log it later). This function's
             # own frame holds no tensors: the stages live in _render for that reason.
-            traceback.clear_frames(exc.__traceback__)
+            _release_locals(exc.__traceback__)
             if isinstance(exc, ValueError) and not (from_on_step and exc is from_on_step[0]):
                 raise PermanentRenderError(str(exc)) from exc
             raise
@@ -135,12 +135,11 @@ class VideoPipeline:
         on_step: StepCallback | None,
         from_on_step: list[BaseException],
     ) -> torch.Tensor:
-        total = spec.steps
-
-        def step_end(_pipe: Any, step_index: int, _timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:
+        def step_end(pipe: Any, step_index: int, _timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:
             if on_step is not None:
                 try:
-                    on_step(step_index + 1, total)
+                    # The scheduler's step count, not spec.steps: a higher-order scheduler takes more.
+                    on_step(step_index + 1, pipe.num_timesteps)
                 except BaseException as exc:
                     from_on_step.append(exc)
                     raise
@@ -185,6 +184,22 @@ class VideoPipeline:
     def _lap(self, since: float) -> tuple[float, float]:
         now = self._clock()
         return now - since, now
+
+
+def _release_locals(tb: TracebackType | None) -> None:
+    """Drop the local variables of every finished frame in ``tb``."""
+    while tb is not None:
+        frame = tb.tb_frame
+        try:
+            frame.clear()
+        except RuntimeError:
+            pass  # still executing (generate's own frame): it holds no tensors
+        else:
+            if sys.version_info < (3, 13):
+                # Before 3.13 a frame that called locals() keeps that snapshot, and clear() leaves it behind.
+                # WanPipeline.__call__ does (for its step callback), and the snapshot holds the latents.
+                frame.f_locals.clear()
+        tb = tb.tb_next
 
 
 def _to_uint8(video: np.ndarray) -> np.ndarray:

@@ -70,25 +70,19 @@ def run_job(job_id: uuid.UUID, *, settings: Settings, celery: Celery, storage: S
         log.warning("lease lost; another attempt owns the job", extra=ctx)
         return "stale"
     except SoftTimeLimitExceeded:
-        return _fail(
-            settings, celery, job_id=job_id, token=token, code="time_limit", message="task time limit"
-        )
+        return _fail(settings, celery, job_id=job_id, token=token, code="time_limit", message="task time limit")
     except (OperationalError, S3Error, Urllib3Error, ConnectionError, TimeoutError, OSError) as exc:
         # Transient (DB, S3, network): hand the job back for another attempt, or fail once attempts are spent.
         log.warning("transient failure", extra={**ctx, "error": repr(exc)})
         with session_scope(settings) as session:
-            released = release_for_retry(
-                session, job_id, token=token, reason=f"transient: {type(exc).__name__}"
-            )
+            released = release_for_retry(session, job_id, token=token, reason=f"transient: {type(exc).__name__}")
             queue = released.queue if released else None
         if queue is not None:
             if send_job(celery, job_id=job_id, queue=queue):
                 with session_scope(settings) as session:
                     mark_enqueued(session, job_id=job_id, queue=queue)
             return "retrying"
-        return _fail(
-            settings, celery, job_id=job_id, token=token, code="transient_exhausted", message=repr(exc)
-        )
+        return _fail(settings, celery, job_id=job_id, token=token, code="transient_exhausted", message=repr(exc))
     except Exception as exc:
         from services.worker.pipeline import PermanentRenderError
 
@@ -97,9 +91,7 @@ def run_job(job_id: uuid.UUID, *, settings: Settings, celery: Celery, storage: S
         return _fail(settings, celery, job_id=job_id, token=token, code=code, message=f"{exc}")
 
 
-def _fail(
-    settings: Settings, celery: Celery, *, job_id: uuid.UUID, token: int, code: str, message: str
-) -> str:
+def _fail(settings: Settings, celery: Celery, *, job_id: uuid.UUID, token: int, code: str, message: str) -> str:
     with session_scope(settings) as session:
         fail(session, job_id, token=token, code=code, message=message)
     send_webhook(celery, job_id=job_id)

@@ -87,8 +87,6 @@ def deliver_webhook(self: Task, job_id: str) -> str:
     if result.ok:
         return "delivered"
     if result.retryable and attempt < settings.webhook_max_attempts:
-        delay = backoff_s(
-            attempt - 1, base_s=settings.webhook_backoff_base_s, max_s=settings.webhook_backoff_max_s
-        )
+        delay = backoff_s(attempt - 1, base_s=settings.webhook_backoff_base_s, max_s=settings.webhook_backoff_max_s)
         raise self.retry(countdown=delay)
     return "gave_up"

@@ -10,9 +10,7 @@ import typer
 
 from shared.cli import client, stack
 
-app = typer.Typer(
-    no_args_is_help=True, add_completion=False, help="vidq: asynchronous text-to-video service."
-)
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="vidq: asynchronous text-to-video service.")
 app.command("up")(stack.up)
 app.command("demo")(stack.demo)
 app.command("generate")(client.generate)

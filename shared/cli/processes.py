@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -27,9 +28,7 @@ class ProcessGroup:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = (self.log_dir / f"{name}.log").open("ab")
         # Own session: a signal to the group reaches Celery's pool children too.
-        proc = subprocess.Popen(
-            argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        proc = subprocess.Popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.procs[name] = proc
         return proc
 
@@ -47,10 +46,8 @@ class ProcessGroup:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=10)
-        try:  # leftovers of the group (pool children) after the leader exited
+        with contextlib.suppress(ProcessLookupError):  # leftovers of the group (pool children)
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
     def stop_all(self, *, timeout_s: float = 20.0) -> None:
         for name in list(self.procs)[::-1]:

@@ -6,6 +6,7 @@ Backing services come from the settings when they answer (Postgres, Redis, S3); 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -47,18 +48,14 @@ def running_stack(
         env["VIDQ_WEBHOOK_ALLOW_PRIVATE"] = "true"
     group = ProcessGroup(env=env, log_dir=state_dir / "logs")
     try:
-        console.print(
-            f"[dim]postgres {urls.database_url}\nredis    {urls.broker_url}\ns3       {urls.s3_endpoint}[/]"
-        )
+        console.print(f"[dim]postgres {urls.database_url}\nredis    {urls.broker_url}\ns3       {urls.s3_endpoint}[/]")
         import subprocess
 
         subprocess.run(vidq_argv("migrate"), env=env, check=True, timeout=120)
         api_url = f"http://{settings.api_host}:{settings.api_port}"
         group.start("api", vidq_argv("api", "--no-migrate"))
         group.start("worker", vidq_argv("worker", "--role", "video", "--name", "video"))
-        group.start(
-            "webhooks", vidq_argv("worker", "--role", "webhooks", "--concurrency", "2", "--name", "hooks")
-        )
+        group.start("webhooks", vidq_argv("worker", "--role", "webhooks", "--concurrency", "2", "--name", "hooks"))
         group.start("flower", vidq_argv("flower", "--port", str(flower_port)))
         wait_http(f"{api_url}/readyz", timeout_s=60, group=group)
         wait_for_log(group, "worker", "ready.", timeout_s=180)
@@ -77,16 +74,12 @@ def up(
     """Start the stack and keep it running until Ctrl-C."""
     with running_stack(state_dir=state_dir, flower_port=flower_port, allow_private_webhooks=False):
         info = json.loads((state_dir / "stack.json").read_text())
-        console.print(
-            f"[green]vidq is up[/]: API {info['api']}/docs, Flower {info['flower']}, logs {info['logs']}"
-        )
+        console.print(f"[green]vidq is up[/]: API {info['api']}/docs, Flower {info['flower']}, logs {info['logs']}")
         console.print("create a key with `vidq create-key --tenant NAME`; Ctrl-C stops everything")
         stop = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
-        try:
+        with contextlib.suppress(KeyboardInterrupt):
             stop.wait()
-        except KeyboardInterrupt:
-            pass
 
 
 def demo(
@@ -119,9 +112,7 @@ def demo(
             "steps": 8,
             "seed": 7,
         }
-        console.print(
-            "[yellow]model tiny-wan: a real diffusers WanPipeline with random weights — it renders noise[/]"
-        )
+        console.print("[yellow]model tiny-wan: a real diffusers WanPipeline with random weights — it renders noise[/]")
         job, path = submit_and_wait(
             api=f"http://{settings.api_host}:{settings.api_port}", key=key, body=body, out_dir=out
         )

@@ -80,9 +80,7 @@ def tenant_key(settings: Any, clean_state: None) -> dict[str, str]:
 
 @pytest.fixture
 def client(api_url: str, tenant_key: dict[str, str]) -> Iterator[httpx.Client]:
-    with httpx.Client(
-        base_url=api_url, headers={"Authorization": f"Bearer {tenant_key['api_key']}"}, timeout=30
-    ) as c:
+    with httpx.Client(base_url=api_url, headers={"Authorization": f"Bearer {tenant_key['api_key']}"}, timeout=30) as c:
         yield c
 
 

@@ -52,8 +52,7 @@ def test_high_runs_before_medium_before_low_when_all_are_queued(client, start_wo
     for j in (low, medium, high):
         wait_job(client, j["id"], {"succeeded"}, timeout_s=120)
     started = {
-        name: db_job(settings, j["id"]).started_at
-        for name, j in {"low": low, "medium": medium, "high": high}.items()
+        name: db_job(settings, j["id"]).started_at for name, j in {"low": low, "medium": medium, "high": high}.items()
     }
     assert started["high"] < started["medium"] < started["low"], started
 

@@ -46,10 +46,7 @@ def test_prompt_becomes_mp4_in_s3_and_a_signed_webhook(
 
     # The delivery is on record and visible through the API.
     deadline = time.monotonic() + 10
-    while (
-        not (deliveries := client.get(f"/v1/jobs/{job['id']}/webhooks").json())
-        and time.monotonic() < deadline
-    ):
+    while not (deliveries := client.get(f"/v1/jobs/{job['id']}/webhooks").json()) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert deliveries[0]["ok"] is True and deliveries[0]["status_code"] == 204
     assert deliveries[0]["msg_id"] == request["headers"]["webhook-id"]

@@ -35,9 +35,7 @@ def sweep_until(settings, predicate, *, timeout_s: float = 30.0) -> None:
     raise AssertionError("condition never met while sweeping")
 
 
-def test_sigkill_mid_job_then_a_new_worker_finishes_it_once(
-    client, start_worker, procs, settings, tenant_key
-):
+def test_sigkill_mid_job_then_a_new_worker_finishes_it_once(client, start_worker, procs, settings, tenant_key):
     first = start_worker("video")
     job = submit(client, **SLOW)
     wait_job(client, job["id"], {"running"}, min_step=2)

@@ -33,9 +33,7 @@ def test_resolution_factor_grows_with_pixels():
     assert values == sorted(values) and all(0.3 <= v <= 1.0 for v in values)
 
 
-@pytest.mark.parametrize(
-    ("s", "d"), [(0.05, 1.0), (0.1, 1.0), (1.0, 1.0), (2.0, 0.5), (10.0, 0.1), (60, 1 / 60)]
-)
+@pytest.mark.parametrize(("s", "d"), [(0.05, 1.0), (0.1, 1.0), (1.0, 1.0), (2.0, 0.5), (10.0, 0.1), (60, 1 / 60)])
 def test_duration_factor(s, d):
     assert duration_factor(s) == pytest.approx(d)
 
@@ -43,19 +41,12 @@ def test_duration_factor(s, d):
 def test_score_weights_and_classes_follow_settings():
     s = Settings()
     sc = score_job(s, prompt="boat", width=64, height=64, duration_s=3.0)
-    assert sc.value == pytest.approx(
-        0.4 * sc.complexity + 0.35 * sc.resolution + 0.25 * sc.duration, abs=1e-3
-    )
+    assert sc.value == pytest.approx(0.4 * sc.complexity + 0.35 * sc.resolution + 0.25 * sc.duration, abs=1e-3)
     assert sc.priority_class is PriorityClass.LOW
     lenient = Settings(score_high=0.1, score_medium=0.05)
-    assert (
-        score_job(lenient, prompt="boat", width=64, height=64, duration_s=3.0).priority_class
-        is PriorityClass.HIGH
-    )
+    assert score_job(lenient, prompt="boat", width=64, height=64, duration_s=3.0).priority_class is PriorityClass.HIGH
     busy = ", ".join(["a bright golden red dragon slowly flying over misty blue mountains"] * 12)
-    assert (
-        score_job(s, prompt=busy, width=448, height=448, duration_s=0.25).priority_class is PriorityClass.HIGH
-    )
+    assert score_job(s, prompt=busy, width=448, height=448, duration_s=0.25).priority_class is PriorityClass.HIGH
 
 
 def test_class_maps_to_queue_and_promotes():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -72,7 +74,9 @@ def test_tiny_wan_in_bf16_renders_finite_frames(tiny_cuda: VideoPipeline) -> Non
 
 
 def test_cancel_releases_device_memory(tiny_cuda: VideoPipeline) -> None:
-    tiny_cuda.generate(SPEC)  # warm: kernels and workspaces allocated once
+    # Large enough that what one step holds (latents, mask, noise predictions: about 1.3 MiB) shows.
+    spec = dataclasses.replace(SPEC, width=256, height=256, num_frames=17)
+    tiny_cuda.generate(spec)  # warm: kernels, workspaces and scheduler state allocated once
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
 
@@ -81,8 +85,8 @@ def test_cancel_releases_device_memory(tiny_cuda: VideoPipeline) -> None:
             raise Cancelled
 
     with pytest.raises(Cancelled) as caught:
-        tiny_cuda.generate(SPEC, on_step=cancel)
+        tiny_cuda.generate(spec, on_step=cancel)
     # The exception is still held (by pytest here, by a task's error log in a worker); the memory is free.
-    assert caught.value is not None
+    assert caught.value.__traceback__ is not None
     torch.cuda.synchronize()
-    assert torch.cuda.memory_allocated() <= before + 1024 * 1024
+    assert torch.cuda.memory_allocated() - before < 256 * 1024

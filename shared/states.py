@@ -94,7 +94,8 @@ def _transition(
         .where(and_(*conds))
         .values(status=dst.value, **(values or {}))
         .returning(Job)
-        .execution_options(synchronize_session=False)
+        # populate_existing: a row already in the session (e.g. loaded FOR UPDATE) gets the new values.
+        .execution_options(synchronize_session=False, populate_existing=True)
     )
     # The source status is read in the same statement snapshot, for the audit row.
     src = session.execute(select(src_status)).scalar()

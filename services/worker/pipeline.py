@@ -164,7 +164,7 @@ class VideoPipeline:
         latents_out: torch.Tensor = latents
         return latents_out
 
-    def _decode(self, latents: torch.Tensor) -> np.ndarray:
+    def _decode(self, latents: torch.Tensor) -> torch.Tensor:
         vae = self.pipe.vae
         latents = latents.to(device=vae.device, dtype=vae.dtype)
         # Undo the per-channel normalisation the transformer works in, exactly as WanPipeline does.
@@ -173,7 +173,9 @@ class VideoPipeline:
         mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
         inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.device, latents.dtype)
         video = vae.decode(latents / inv_std + mean, return_dict=False)[0]
-        frames: np.ndarray = self.pipe.video_processor.postprocess_video(video, output_type="np")
+        # "pt" keeps the frames on the device: the uint8 conversion then runs there, and only a quarter of the
+        # bytes (uint8, not float32) cross to the host.
+        frames: torch.Tensor = self.pipe.video_processor.postprocess_video(video, output_type="pt")
         return frames
 
     def _clock(self) -> float:
@@ -202,7 +204,8 @@ def _release_locals(tb: TracebackType | None) -> None:
         tb = tb.tb_next
 
 
-def _to_uint8(video: np.ndarray) -> np.ndarray:
-    """(1, F, H, W, 3) floats in [0, 1] to (F, H, W, 3) uint8, rounded: truncation darkens every pixel."""
-    frames = np.clip(np.rint(video[0] * 255.0), 0, 255).astype(np.uint8)
-    return np.ascontiguousarray(frames)
+def _to_uint8(video: torch.Tensor) -> np.ndarray:
+    """(1, F, 3, H, W) floats in [0, 1] to (F, H, W, 3) uint8, rounded (half to even, as numpy's rint):
+    truncation would darken every pixel. Runs on the tensor's device; one copy to the host at the end."""
+    frames = (video[0].permute(0, 2, 3, 1) * 255.0).round().clamp(0, 255).to(torch.uint8)
+    return np.ascontiguousarray(frames.cpu().numpy())

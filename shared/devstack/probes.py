@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from contextlib import suppress
 from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
@@ -75,20 +76,22 @@ def probe_redis(url: str, timeout_s: float = 2) -> bool:
 
 
 def s3_client(
-    endpoint: str, access_key: str, secret_key: str, secure: bool, *, timeout_s: float, region: str | None = None
+    endpoint: str,
+    *,
+    access_key: str,
+    secret_key: str,
+    secure: bool = False,
+    timeout_s: float,
+    region: str | None = None,
 ) -> Minio:
     """A minio client whose every request gives up after ``timeout_s`` (the default retries for minutes)."""
-    http = urllib3.PoolManager(
-        timeout=urllib3.Timeout(connect=timeout_s, read=timeout_s), retries=False, maxsize=4
-    )
-    return Minio(
-        endpoint, access_key=access_key, secret_key=secret_key, secure=secure, region=region, http_client=http
-    )
+    http = urllib3.PoolManager(timeout=urllib3.Timeout(connect=timeout_s, read=timeout_s), retries=False, maxsize=4)
+    return Minio(endpoint, access_key=access_key, secret_key=secret_key, secure=secure, region=region, http_client=http)
 
 
 def probe_s3(endpoint: str, access_key: str, secret_key: str, secure: bool, timeout_s: float = 2) -> bool:
     """True when ``endpoint`` (``host:port``) answers a signed ListBuckets with these credentials."""
-    client = s3_client(endpoint, access_key, secret_key, secure, timeout_s=timeout_s)
+    client = s3_client(endpoint, access_key=access_key, secret_key=secret_key, secure=secure, timeout_s=timeout_s)
     try:
         client.list_buckets()
         return True
@@ -112,7 +115,6 @@ def ensure_database(url: str, *, timeout_s: float = 5) -> None:
     ) as conn:
         if conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone():
             return
-        try:
+        # Another process may create it between our check and our CREATE.
+        with suppress(errors.DuplicateDatabase, errors.UniqueViolation):
             conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(str(name))))
-        except (errors.DuplicateDatabase, errors.UniqueViolation):
-            pass  # another process created it between our check and our CREATE

@@ -12,6 +12,8 @@ from importlib import metadata
 from pathlib import Path
 from types import TracebackType
 
+from minio.helpers import check_bucket_name
+
 from shared.devstack._process import HOST, ManagedProcess, StartupError, free_ports, wait_until
 from shared.devstack.probes import ensure_bucket, s3_client
 
@@ -55,8 +57,10 @@ class SeaweedS3:
         bucket: str,
         port: int | None = None,
         start_timeout_s: float = 60.0,
-        stop_grace_s: float = 2.0,
+        stop_grace_s: float = 1.0,
     ) -> None:
+        # A bad name would otherwise surface only as a readiness check failing until the deadline.
+        check_bucket_name(bucket, strict=True)
         self.data_dir = data_dir.resolve()
         self.access_key = access_key
         self.secret_key = secret_key
@@ -140,13 +144,9 @@ class SeaweedS3:
         self._ports = dict(zip(_PORT_ROLES, ports, strict=False))
         self.port = self._ports["s3"]
         try:
-            self._process = ManagedProcess(
-                self.command(), log_path=self.log_path, cwd=self.data_dir, name="weed"
-            )
+            self._process = ManagedProcess(self.command(), log_path=self.log_path, cwd=self.data_dir, name="weed")
             self._process.start()
-            wait_until(
-                self._writable, timeout_s=self.start_timeout_s, what="SeaweedFS S3", process=self._process
-            )
+            wait_until(self._writable, timeout_s=self.start_timeout_s, what="SeaweedFS S3", process=self._process)
         except BaseException:
             self.stop()
             raise
@@ -162,7 +162,7 @@ class SeaweedS3:
     def _writable(self) -> bool:
         # ListBuckets answers before the volume server has joined the master (that can take 5 s more), and until
         # it has, uploads fail or stall. Ready means a real object written and removed.
-        client = s3_client(self.endpoint, self.access_key, self.secret_key, False, timeout_s=10)
+        client = s3_client(self.endpoint, access_key=self.access_key, secret_key=self.secret_key, timeout_s=10)
         client.list_buckets()
         ensure_bucket(client, self.bucket)
         client.put_object(self.bucket, _READY_KEY, io.BytesIO(b"ok"), 2)

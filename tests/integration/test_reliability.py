@@ -3,7 +3,6 @@ the sweeper, and a redelivered message for a finished job changes nothing."""
 
 from __future__ import annotations
 
-import signal
 import time
 import uuid
 
@@ -39,8 +38,7 @@ def test_sigkill_mid_job_then_a_new_worker_finishes_it_once(client, start_worker
     first = start_worker("video")
     job = submit(client, **SLOW)
     wait_job(client, job["id"], {"running"}, min_step=2)
-    procs.signal(first, signal.SIGKILL)  # the whole process group: main process and pool child
-    procs.procs[first].wait(timeout=10)
+    procs.kill(first)  # SIGKILL to the whole process group: main process and pool child
 
     start_worker("video")
     # The dead worker's lease expires; the sweeper re-queues the job; the new worker claims attempt 2.
@@ -115,8 +113,7 @@ def test_poison_job_fails_after_max_attempts(client, start_worker, procs, settin
     for attempt in range(1, settings.max_attempts + 1):
         name = start_worker("video")
         wait_job(client, job["id"], {"running"}, min_step=1, timeout_s=60)
-        procs.signal(name, signal.SIGKILL)
-        procs.procs[name].wait(timeout=10)
+        procs.kill(name)
         assert db_job(settings, job["id"]).attempt == attempt
         sweep_until(settings, lambda: db_job(settings, job["id"]).status in {"queued", "failed"})
     final = client.get(f"/v1/jobs/{job['id']}").json()

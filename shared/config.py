@@ -85,6 +85,9 @@ class Settings(BaseSettings):
     task_time_limit_s: int = 1900
     visibility_timeout_s: int = 7200
     progress_min_interval_s: float = 0.5
+    worker_metrics_port: int = 9808  # Prometheus /metrics of a worker (0 = off)
+    worker_liveness_file: str = "/tmp/vidq-worker-alive"  # touched by the worker's consumer loop
+    worker_liveness_max_age_s: float = 60.0
     model_dir: str | None = None  # local diffusers folder served as model "local"
     device: str | None = None  # "cuda", "cpu"; None = cuda if available
     cuda_dtype: Literal["bfloat16", "float16"] = "bfloat16"

@@ -9,6 +9,7 @@ from fastapi import Depends, Request
 from sqlalchemy.orm import Session
 
 from shared.config import Settings
+from shared.db import session_scope
 from shared.errors import Unauthorized
 from shared.models import Tenant
 from shared.tenants import tenant_for_key
@@ -20,15 +21,8 @@ def get_settings_dep(request: Request) -> Settings:
 
 
 def get_session(request: Request) -> Iterator[Session]:
-    session: Session = request.app.state.sessions()
-    try:
+    with session_scope(request.app.state.settings) as session:
         yield session
-        session.commit()
-    except BaseException:
-        session.rollback()
-        raise
-    finally:
-        session.close()
 
 
 SessionDep = Annotated[Session, Depends(get_session)]

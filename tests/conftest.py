@@ -60,6 +60,7 @@ def stack_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, st
         "VIDQ_PROGRESS_MIN_INTERVAL_S": "0.05",
         "VIDQ_ENQUEUE_GRACE_S": "0.5",
         "VIDQ_SWEEPER_IN_API": "false",
+        "VIDQ_WORKER_METRICS_PORT": "0",  # several workers share this host; the metrics test picks a port
         "VIDQ_WEBHOOK_BACKOFF_BASE_S": "0.2",
         "VIDQ_WEBHOOK_BACKOFF_MAX_S": "1",
         "VIDQ_WEBHOOK_TIMEOUT_S": "3",
@@ -107,9 +108,7 @@ def clean_state(settings) -> Iterator[None]:  # type: ignore[no-untyped-def]
 
     with get_engine(settings).begin() as conn:
         conn.execute(
-            text(
-                "TRUNCATE jobs, job_transitions, idempotency_keys, webhook_deliveries, api_keys, tenants CASCADE"
-            )
+            text("TRUNCATE jobs, job_transitions, idempotency_keys, webhook_deliveries, api_keys, tenants CASCADE")
         )
     redis.Redis.from_url(str(settings.broker_url), socket_timeout=5).flushdb()
     yield

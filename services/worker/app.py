@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from celery.signals import setup_logging, worker_process_init, worker_process_shutdown
+from celery.signals import setup_logging, worker_init, worker_process_init, worker_process_shutdown
 
 from shared.celery_app import make_celery
 from shared.config import get_settings
@@ -24,10 +24,26 @@ celery.conf.include = ["services.worker.tasks", "services.worker.webhook_tasks"]
 app = celery
 
 
+def _register_steps() -> None:
+    from services.worker.metrics import LivenessFile
+
+    celery.steps["consumer"].add(LivenessFile)
+
+
+_register_steps()
+
+
 @setup_logging.connect
 def _logging(**_: Any) -> None:
     # Connecting here stops Celery from installing its own handlers: the worker logs JSON like every service.
     configure_logging(level=settings.log_level, json_logs=settings.log_json)
+
+
+@worker_init.connect
+def _init_main(**_: Any) -> None:
+    from services.worker.metrics import serve_metrics
+
+    serve_metrics(settings)
 
 
 @worker_process_init.connect

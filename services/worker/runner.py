@@ -18,6 +18,7 @@ from sqlalchemy.exc import OperationalError
 from urllib3.exceptions import HTTPError as Urllib3Error
 
 from services.worker.heartbeat import Lease
+from services.worker.metrics import BUSY, FAILURES, JOBS, QUEUE_WAIT, STAGE_SECONDS
 from shared.config import Settings
 from shared.db import session_scope
 from shared.dispatch import mark_enqueued, send_job, send_webhook
@@ -34,7 +35,13 @@ def worker_id() -> str:
 
 
 def run_job(job_id: uuid.UUID, *, settings: Settings, celery: Celery, storage: Storage) -> str:
-    """Returns what happened ("succeeded", "dropped", …) for logs and tests."""
+    """Returns what happened ("succeeded", "dropped", "cancelled", "failed", …) for logs, metrics and tests."""
+    outcome = _run_job(job_id, settings=settings, celery=celery, storage=storage)
+    JOBS.labels(outcome).inc()
+    return outcome
+
+
+def _run_job(job_id: uuid.UUID, *, settings: Settings, celery: Celery, storage: Storage) -> str:
     ctx = {"job_id": str(job_id)}
     # 1. Claim: the conditional UPDATE makes a redelivered or duplicate message a no-op.
     with session_scope(settings) as session:
@@ -44,11 +51,13 @@ def run_job(job_id: uuid.UUID, *, settings: Settings, celery: Celery, storage: S
             return "dropped"
         token, tenant_id = job.attempt, str(job.tenant_id)
         spec = GenerationSpec.from_dict(job.spec)
+        if token == 1:  # a retry's wait would count the failed attempt too
+            QUEUE_WAIT.labels(job.priority_class).observe((job.started_at - job.created_at).total_seconds())
     ctx["attempt"] = str(token)
     log.info("claimed", extra=ctx)
 
     try:
-        with Lease(settings, job_id=job_id, token=token) as lease:
+        with Lease(settings, job_id=job_id, token=token) as lease, BUSY.track_inprogress():
             outcome = _render_and_store(
                 spec, settings=settings, storage=storage, lease=lease, tenant_id=tenant_id, job_id=job_id
             )
@@ -92,6 +101,7 @@ def run_job(job_id: uuid.UUID, *, settings: Settings, celery: Celery, storage: S
 
 
 def _fail(settings: Settings, celery: Celery, *, job_id: uuid.UUID, token: int, code: str, message: str) -> str:
+    FAILURES.labels(code).inc()
     with session_scope(settings) as session:
         fail(session, job_id, token=token, code=code, message=message)
     send_webhook(celery, job_id=job_id)
@@ -129,6 +139,8 @@ def _render_and_store(
         video = storage.upload(video_key(tenant_id, str(job_id)), mp4, content_type="video/mp4")
         poster = storage.upload(poster_key(tenant_id, str(job_id)), jpg, content_type="image/jpeg")
         timings["upload"] = round(time.perf_counter() - t0, 4)
+    for stage, seconds in timings.items():
+        STAGE_SECONDS.labels(stage).observe(float(seconds))  # type: ignore[arg-type]
     timings["device"] = result.device
     timings["dtype"] = result.dtype
     if result.peak_vram_bytes is not None:

@@ -79,12 +79,20 @@ def worker(
     concurrency: Annotated[int, typer.Option(help="1 per GPU for video; more for webhooks")] = 1,
     name: Annotated[str, typer.Option(help="Celery node name")] = "",
     preload: Annotated[bool, typer.Option(help="build the default model when the process starts")] = True,
+    metrics_port: Annotated[int | None, typer.Option(help="Prometheus port (0 = off; default from settings)")] = None,
 ) -> None:
     """Run a Celery worker. Video workers take video.high, then video.medium, then video.low (strict order)."""
     if role not in WORKER_ROLES:
         raise typer.BadParameter(f"role must be one of {sorted(WORKER_ROLES)}")
+    import tempfile
+
     from shared.config import get_settings
 
+    # Pool children write their metrics here; the main process serves them (prometheus multiprocess mode).
+    os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", tempfile.mkdtemp(prefix="vidq-metrics-"))
+    if metrics_port is not None:
+        os.environ["VIDQ_WORKER_METRICS_PORT"] = str(metrics_port)
+    get_settings.cache_clear()
     settings = get_settings()
     if role != "webhooks" and preload and not settings.worker_preload_models:
         # Passed to the pool child (worker_process_init reads it through Settings).
@@ -106,6 +114,21 @@ def worker(
             f"--hostname={name or role}@%h",
         ]
     )
+
+
+@app.command("worker-alive")
+def worker_alive() -> None:
+    """Liveness probe for a worker: exit 0 if its consumer loop touched the liveness file recently."""
+    from pathlib import Path
+
+    from services.worker.metrics import is_alive
+    from shared.config import get_settings
+
+    settings = get_settings()
+    if not is_alive(Path(settings.worker_liveness_file), max_age_s=settings.worker_liveness_max_age_s):
+        typer.echo(f"stale or missing: {settings.worker_liveness_file}", err=True)
+        raise typer.Exit(code=1)
+    typer.echo("alive")
 
 
 @app.command()

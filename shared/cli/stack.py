@@ -55,7 +55,10 @@ def running_stack(
         api_url = f"http://{settings.api_host}:{settings.api_port}"
         group.start("api", vidq_argv("api", "--no-migrate"))
         group.start("worker", vidq_argv("worker", "--role", "video", "--name", "video"))
-        group.start("webhooks", vidq_argv("worker", "--role", "webhooks", "--concurrency", "2", "--name", "hooks"))
+        group.start(
+            "webhooks",
+            vidq_argv("worker", "--role", "webhooks", "--concurrency", "2", "--name", "hooks", "--metrics-port", "0"),
+        )
         group.start("flower", vidq_argv("flower", "--port", str(flower_port)))
         wait_http(f"{api_url}/readyz", timeout_s=60, group=group)
         wait_for_log(group, "worker", "ready.", timeout_s=180)

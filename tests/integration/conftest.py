@@ -52,9 +52,9 @@ def start_worker(procs: ProcessGroup) -> Iterator[WorkerFactory]:
     """Start a real Celery worker process; waits until it is consuming. Stopped after the test."""
     started: list[str] = []
 
-    def start(role: str = "all", name: str | None = None, wait: bool = True) -> str:
+    def start(role: str = "all", name: str | None = None, wait: bool = True, extra: tuple[str, ...] = ()) -> str:
         name = name or f"{role}-{len(started)}-{os.urandom(2).hex()}"
-        procs.start(name, vidq_argv("worker", "--role", role, "--name", name))
+        procs.start(name, vidq_argv("worker", "--role", role, "--name", name, *extra))
         started.append(name)
         if wait:
             wait_for_log(procs, name, "ready.", timeout_s=120)

@@ -1,0 +1,66 @@
+"""The worker as an orchestrator sees it: SIGTERM (a rolling update, a scale-down), metrics and liveness."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import httpx
+
+from shared.cli.processes import vidq_argv
+from shared.storage import Storage
+from tests.integration.conftest import free_port
+from tests.integration.helpers import submit, transitions, wait_job
+from tests.integration.test_reliability import SLOW
+
+
+def test_sigterm_mid_job_finishes_it_once_then_exits(client, start_worker, procs, settings, tenant_key):
+    name = start_worker("video")
+    job = submit(client, **SLOW)
+    wait_job(client, job["id"], {"running"}, min_step=2)
+    proc = procs.procs[name]
+    os.kill(proc.pid, signal.SIGTERM)  # what Kubernetes sends to the container's main process
+    assert proc.wait(timeout=120) == 0  # warm shutdown: the running task completes first
+    procs.procs.pop(name)
+    done = client.get(f"/v1/jobs/{job['id']}").json()
+    assert done["status"] == "succeeded" and done["attempt"] == 1
+    assert transitions(settings, job["id"]) == [("queued", "running", 1), ("running", "succeeded", 1)]
+    keys = Storage(settings).list_keys(f"videos/{tenant_key['tenant_id']}/{job['id']}")
+    assert sorted(keys) == [
+        f"videos/{tenant_key['tenant_id']}/{job['id']}.jpg",
+        f"videos/{tenant_key['tenant_id']}/{job['id']}.mp4",
+    ]
+    # Jobs submitted while no worker runs wait in the queue and complete once one is back.
+    later = submit(client)
+    start_worker("video")
+    assert wait_job(client, later["id"], {"succeeded"})["attempt"] == 1
+
+
+def test_worker_serves_metrics_and_a_liveness_signal(client, start_worker, procs, tmp_path):
+    port = free_port()
+    alive = tmp_path / "alive"
+    procs.env["VIDQ_WORKER_LIVENESS_FILE"] = str(alive)
+    try:
+        name = start_worker("video", extra=("--metrics-port", str(port)))
+    finally:
+        procs.env.pop("VIDQ_WORKER_LIVENESS_FILE")
+    env = {**procs.env, "VIDQ_WORKER_LIVENESS_FILE": str(alive)}
+    probe = subprocess.run(vidq_argv("worker-alive"), env=env, capture_output=True, text=True, timeout=60)
+    assert probe.returncode == 0, probe.stderr
+
+    job = submit(client)
+    wait_job(client, job["id"], {"succeeded"})
+    deadline = time.monotonic() + 10
+    text = ""
+    while time.monotonic() < deadline and 'vidq_worker_jobs_total{outcome="succeeded"}' not in text:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        time.sleep(0.2)
+    assert 'vidq_worker_jobs_total{outcome="succeeded"} 1.0' in text
+    assert 'vidq_worker_stage_seconds_count{stage="denoise"} 1.0' in text
+    assert "vidq_worker_queue_wait_seconds_count" in text
+
+    procs.stop(name)  # a clean stop removes the signal; the probe then fails
+    probe = subprocess.run(vidq_argv("worker-alive"), env=env, capture_output=True, text=True, timeout=60)
+    assert probe.returncode == 1

@@ -68,7 +68,7 @@ def serve_metrics(settings: Settings) -> None:
         return
     registry = CollectorRegistry()
     MultiProcessCollector(registry)
-    registry.register(GpuCollector())  # type: ignore[arg-type]
+    registry.register(GpuCollector())
     try:
         start_http_server(settings.worker_metrics_port, registry=registry)
     except OSError as exc:  # a second worker on the same host: keep working, say why there are no metrics
@@ -89,7 +89,7 @@ def is_alive(path: Path, *, max_age_s: float) -> bool:
         return False
 
 
-class LivenessFile(bootsteps.StartStopStep):
+class LivenessFile(bootsteps.StartStopStep):  # type: ignore[misc]  # celery ships no types
     """Touches the liveness file from the consumer's event loop: if the loop stalls, the file goes stale and the
     orchestrator's probe (``vidq worker-alive``) fails."""
 

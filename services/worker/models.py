@@ -82,7 +82,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     tokenizer.post_processor = processors.TemplateProcessing(
         single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", 1)]
     )
-    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+    return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         pad_token="<pad>",
         eos_token="</s>",
@@ -131,7 +131,7 @@ def build_pipeline(
         local_files_only=Path(source).is_dir(),
     )
     pipe.to(device)
-    pipe.set_progress_bar_config(disable=True)  # type: ignore[no-untyped-call]  # progress: on_step
+    pipe.set_progress_bar_config(disable=True)  # progress goes through on_step
     return pipe
 
 
@@ -248,7 +248,7 @@ def _assemble(
     pipe.to(device)
     for module in (text_encoder, transformer, vae):
         module.eval()  # modules built by hand start in training mode (dropout on); from_pretrained ones don't
-    pipe.set_progress_bar_config(disable=True)  # type: ignore[no-untyped-call]  # progress: on_step
+    pipe.set_progress_bar_config(disable=True)  # progress goes through on_step
     return pipe
 
 

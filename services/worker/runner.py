@@ -51,7 +51,7 @@ def _run_job(job_id: uuid.UUID, *, settings: Settings, celery: Celery, storage: 
             return "dropped"
         token, tenant_id = job.attempt, str(job.tenant_id)
         spec = GenerationSpec.from_dict(job.spec)
-        if token == 1:  # a retry's wait would count the failed attempt too
+        if token == 1 and job.started_at is not None:  # a retry's wait would count the failed attempt too
             QUEUE_WAIT.labels(job.priority_class).observe((job.started_at - job.created_at).total_seconds())
     ctx["attempt"] = str(token)
     log.info("claimed", extra=ctx)

@@ -130,9 +130,7 @@ def _signed() -> tuple[str, bytes, dict[str, str]]:
 
 def _post(url: str, *, allow_private: bool = True, timeout_s: float = 2.0, **kwargs: Any) -> DeliveryResult:
     _, body, headers = _signed()
-    return deliver(
-        url, body=body, headers=headers, timeout_s=timeout_s, allow_private=allow_private, **kwargs
-    )
+    return deliver(url, body=body, headers=headers, timeout_s=timeout_s, allow_private=allow_private, **kwargs)
 
 
 # --- signing ------------------------------------------------------------------------------------------------
@@ -174,9 +172,7 @@ def test_sign_converts_other_zones_and_refuses_naive_timestamps() -> None:
     secret, body = new_secret(), b"{}"
     utc = datetime.now(UTC).replace(microsecond=0)
     plus_two = utc.astimezone(timezone(timedelta(hours=2)))
-    assert sign(secret, msg_id="m", body=body, timestamp=plus_two) == sign(
-        secret, msg_id="m", body=body, timestamp=utc
-    )
+    assert sign(secret, msg_id="m", body=body, timestamp=plus_two) == sign(secret, msg_id="m", body=body, timestamp=utc)
     assert Webhook(secret).verify(body, sign(secret, msg_id="m", body=body, timestamp=plus_two)) == {}
     with pytest.raises(ValueError, match="timezone-aware"):
         sign(secret, msg_id="m", body=body, timestamp=datetime.now())

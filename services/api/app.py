@@ -12,7 +12,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from services.api.metrics import REQUEST_SECONDS
+from services.api.metrics import ERRORS, REQUEST_SECONDS
 from services.api.routes import health, jobs
 from shared.celery_app import make_celery
 from shared.config import Settings, get_settings
@@ -60,6 +60,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.exception_handler(VidqError)
     async def vidq_error(_: Request, exc: VidqError) -> JSONResponse:
+        ERRORS.labels(exc.code, str(exc.status_code)).inc()
         return JSONResponse(exc.to_body(), status_code=exc.status_code)
 
     @app.exception_handler(RequestValidationError)
@@ -68,6 +69,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             {"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")} for e in exc.errors()
         ]
         message = "; ".join(d["msg"].removeprefix("Value error, ") for d in details) or "invalid request"
+        ERRORS.labels("invalid_request", "422").inc()
         return JSONResponse(
             {"error": {"code": "invalid_request", "message": message, "details": details}}, status_code=422
         )

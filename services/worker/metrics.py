@@ -33,6 +33,13 @@ FAILURES = Counter("vidq_worker_failures_total", "Failed jobs, by error code", [
 BUSY = Gauge("vidq_worker_busy", "1 while rendering", multiprocess_mode="livesum")
 
 
+GPU_METRICS = (
+    "vidq_worker_gpu_memory_used_bytes",
+    "vidq_worker_gpu_memory_total_bytes",
+    "vidq_worker_gpu_utilization_ratio",
+)
+
+
 class GpuCollector:
     """Memory and utilisation of every GPU this process can see, read at scrape time."""
 
@@ -50,9 +57,10 @@ class GpuCollector:
         if self._nvml is None:
             return
         nv = self._nvml
-        used = GaugeMetricFamily("vidq_worker_gpu_memory_used_bytes", "GPU memory in use", labels=["gpu"])
-        total = GaugeMetricFamily("vidq_worker_gpu_memory_total_bytes", "GPU memory", labels=["gpu"])
-        util = GaugeMetricFamily("vidq_worker_gpu_utilization_ratio", "GPU busy fraction (NVML)", labels=["gpu"])
+        used_name, total_name, util_name = GPU_METRICS
+        used = GaugeMetricFamily(used_name, "GPU memory in use", labels=["gpu"])
+        total = GaugeMetricFamily(total_name, "GPU memory", labels=["gpu"])
+        util = GaugeMetricFamily(util_name, "GPU busy fraction (NVML)", labels=["gpu"])
         for i in range(nv.nvmlDeviceGetCount()):
             handle = nv.nvmlDeviceGetHandleByIndex(i)
             mem = nv.nvmlDeviceGetMemoryInfo(handle)

@@ -125,4 +125,5 @@ def test_health_ready_metrics_and_openapi(api_url, client):
     submit(client)
     metrics = httpx.get(f"{api_url}/metrics").text
     assert "vidq_api_submits_total" in metrics and "vidq_api_request_seconds_bucket" in metrics
+    assert 'vidq_api_errors_total{code="invalid_request",status="422"}' in metrics
     assert "/v1/jobs" in httpx.get(f"{api_url}/openapi.json").json()["paths"]

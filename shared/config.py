@@ -97,6 +97,7 @@ class Settings(BaseSettings):
     webhook_max_attempts: int = 6
     webhook_backoff_base_s: float = 2.0
     webhook_backoff_max_s: float = 600.0
+    webhook_resend_grace_s: float = 60.0  # a finished job with no delivery attempt after this is handed over again
     webhook_allow_private: bool = False  # loopback/private/link-local targets (tests and the demo only)
 
     @model_validator(mode="after")

@@ -117,7 +117,7 @@ class Sweeper:
                 to_send.append((job.id, current.promoted().queue.value))
             expired = session.execute(delete(IdempotencyKey).where(IdempotencyKey.expires_at < now))
             report.keys_expired = int(getattr(expired, "rowcount", 0) or 0)
-            report.webhooks = _webhooks_due(session, now=now, grace_s=max(30.0, s.enqueue_grace_s))
+            report.webhooks = _webhooks_due(session, now=now, grace_s=s.webhook_resend_grace_s)
         # After commit: send, then record the send.
         for job_id, queue in to_send:
             if send_job(self.celery, job_id=job_id, queue=queue):

@@ -35,6 +35,10 @@ class Settings(BaseSettings):
     s3_region: str = "us-east-1"
     s3_bucket: str = "vidq"
     s3_timeout_s: float = 30.0
+    # Where clients reach S3, when it differs from VIDQ_S3_ENDPOINT (a cluster-internal name): presigned URLs are
+    # signed for this host. Empty = the same as s3_endpoint.
+    s3_public_endpoint: str = ""
+    s3_public_secure: bool | None = None  # None = same as s3_secure
     presign_expiry_s: int = 3600
 
     # --- API ----------------------------------------------------------------------------------------------------

@@ -20,17 +20,21 @@ class StoredObject:
     sha256: str
 
 
-def make_client(settings: Settings) -> Minio:
+def make_client(settings: Settings, *, public: bool = False) -> Minio:
     http = urllib3.PoolManager(
         timeout=urllib3.Timeout(connect=5.0, read=settings.s3_timeout_s),
         retries=urllib3.Retry(total=3, backoff_factor=0.2, status_forcelist=[500, 502, 503, 504]),
         maxsize=10,
     )
+    endpoint, secure = settings.s3_endpoint, settings.s3_secure
+    if public and settings.s3_public_endpoint:
+        endpoint = settings.s3_public_endpoint
+        secure = settings.s3_secure if settings.s3_public_secure is None else settings.s3_public_secure
     return Minio(
-        settings.s3_endpoint,
+        endpoint,
         access_key=settings.s3_access_key,
         secret_key=settings.s3_secret_key,
-        secure=settings.s3_secure,
+        secure=secure,
         region=settings.s3_region,
         http_client=http,
     )
@@ -49,6 +53,8 @@ class Storage:
     def __init__(self, settings: Settings, client: Minio | None = None) -> None:
         self.settings = settings
         self.client = client or make_client(settings)
+        # Presigning is a local computation (the region is given), so the public client never connects anywhere.
+        self.public_client = make_client(settings, public=True) if settings.s3_public_endpoint else self.client
         self.bucket = settings.s3_bucket
 
     def ensure_bucket(self) -> None:
@@ -66,7 +72,7 @@ class Storage:
         return StoredObject(key=key, size=path.stat().st_size, sha256=digest)
 
     def presign(self, key: str, *, expiry_s: int) -> str:
-        return self.client.presigned_get_object(self.bucket, key, expires=timedelta(seconds=expiry_s))
+        return self.public_client.presigned_get_object(self.bucket, key, expires=timedelta(seconds=expiry_s))
 
     def list_keys(self, prefix: str) -> list[str]:
         return [o.object_name for o in self.client.list_objects(self.bucket, prefix=prefix, recursive=True)]

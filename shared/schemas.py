@@ -4,6 +4,7 @@ caps from settings) so the GPU never sees a request it would reject."""
 from __future__ import annotations
 
 import json
+import math
 import secrets
 import uuid
 from datetime import datetime
@@ -42,6 +43,25 @@ class JobCreate(BaseModel):
     model: str | None = None
     webhook_url: str | None = None
     metadata: dict[str, MetadataValue] = Field(default_factory=dict)
+
+    @field_validator("prompt", "negative_prompt")
+    @classmethod
+    def _text(cls, v: str) -> str:
+        if "\x00" in v:  # Postgres text cannot hold NUL
+            raise ValueError("text must not contain NUL characters")
+        return v
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, v: dict[str, MetadataValue]) -> dict[str, MetadataValue]:
+        for key, value in v.items():
+            if not 1 <= len(key) <= 64 or "\x00" in key:
+                raise ValueError("metadata keys must be 1..64 characters without NUL")
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"metadata[{key!r}] must be a finite number (JSON has no NaN or Infinity)")
+            if isinstance(value, str) and "\x00" in value:
+                raise ValueError(f"metadata[{key!r}] must not contain NUL characters")
+        return v
 
     @field_validator("webhook_url")
     @classmethod
@@ -99,6 +119,18 @@ class JobCreate(BaseModel):
 
         body = self.model_dump(mode="json", exclude_none=False)
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+class ErrorDetail(BaseModel):
+    code: str
+    message: str
+    details: Any = None
+
+
+class ErrorBody(BaseModel):
+    """Every error response: a stable code, a message for people, and details where they help."""
+
+    error: ErrorDetail
 
 
 class ScoreOut(BaseModel):

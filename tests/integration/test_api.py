@@ -40,6 +40,10 @@ BAD_BODIES = {
     "metadata too big": {"metadata": {"k": "v" * 5000}},
     "metadata nested": {"metadata": {"k": {"nested": 1}}},
     "unknown field": {"frames": 33},
+    "NUL in prompt": {"prompt": "a\x00b"},
+    "NUL in metadata key": {"metadata": {"k\x00": 1}},
+    "NUL in metadata value": {"metadata": {"k": "a\x00"}},
+    "empty metadata key": {"metadata": {"": 1}},
     "wrong type": {"steps": "many"},
 }
 
@@ -54,9 +58,22 @@ def test_every_cap_is_a_clear_422_and_writes_nothing(client, settings, name):
     assert job_count(settings) == before
 
 
-def test_malformed_json_is_422(client):
-    r = client.post("/v1/jobs", content=b"{not json", headers={"content-type": "application/json"})
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"{not json",
+        b'{"prompt": "a", "metadata": {"x": NaN}}',
+        b'{"prompt": "a", "metadata": {"x": Infinity}}',
+        b'{"prompt": "\\ud800"}',
+        b"[]",
+        b"null",
+    ],
+)
+def test_malformed_json_is_422(client, settings, raw):
+    before = job_count(settings)
+    r = client.post("/v1/jobs", content=raw, headers={"content-type": "application/json"})
     assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_request"
+    assert job_count(settings) == before
 
 
 def test_resolution_preset_and_frames_are_derived(client):

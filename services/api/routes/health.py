@@ -20,7 +20,7 @@ def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/readyz")
+@router.get("/readyz", responses={503: {"description": "a dependency did not answer in time"}})
 def readyz(request: Request) -> JSONResponse:
     state = request.app.state
 

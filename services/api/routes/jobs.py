@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Request, Response
 from sqlalchemy import select
@@ -14,10 +14,19 @@ from services.api.metrics import SUBMITS
 from shared.dispatch import mark_enqueued, send_job, send_webhook
 from shared.models import WebhookDelivery
 from shared.presenters import present_job
-from shared.schemas import JobCreate, JobOut, JobPage, WebhookDeliveryOut
+from shared.schemas import ErrorBody, JobCreate, JobOut, JobPage, WebhookDeliveryOut
 from shared.states import JobStatus, request_cancel
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorBody, "description": text}
+    for status, text in [
+        (401, "missing or invalid API key"),
+        (404, "no such job for this tenant"),
+        (409, "the job's state does not allow this"),
+        (422, "invalid request"),
+    ]
+}
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=_ERRORS)
 
 
 @router.post("", status_code=202, response_model=JobOut)

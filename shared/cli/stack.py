@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import signal
 import threading
 from collections.abc import Iterator
@@ -64,7 +65,11 @@ def running_stack(
         wait_for_log(group, "worker", "ready.", timeout_s=180)
         info = {"api": api_url, "flower": f"http://127.0.0.1:{flower_port}", "logs": str(group.log_dir)}
         (state_dir / "stack.json").write_text(json.dumps(info, indent=2))
+        # Other shells reach the same (possibly embedded) services with `set -a; . .vidq/env; set +a`.
+        exports = {k: v for k, v in stack.env().items()} | {"VIDQ_API_URL": api_url}
+        (state_dir / "env").write_text("".join(f"{k}={shlex.quote(v)}\n" for k, v in sorted(exports.items())))
         yield env, group
+        (state_dir / "env").unlink(missing_ok=True)
     finally:
         group.stop_all()
         stack.stop()
@@ -78,7 +83,10 @@ def up(
     with running_stack(state_dir=state_dir, flower_port=flower_port, allow_private_webhooks=False):
         info = json.loads((state_dir / "stack.json").read_text())
         console.print(f"[green]vidq is up[/]: API {info['api']}/docs, Flower {info['flower']}, logs {info['logs']}")
-        console.print("create a key with `vidq create-key --tenant NAME`; Ctrl-C stops everything")
+        console.print(
+            f"in another shell: `set -a; . {state_dir}/env; set +a`, then `vidq create-key --tenant NAME` and "
+            '`vidq generate "…" --key …`; Ctrl-C stops everything'
+        )
         stop = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         with contextlib.suppress(KeyboardInterrupt):

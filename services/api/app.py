@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from services.api.metrics import ERRORS, REQUEST_SECONDS
-from services.api.routes import health, jobs
+from services.api.routes import events, health, jobs
 from shared.celery_app import make_celery
 from shared.config import Settings, get_settings
 from shared.db import get_engine, session_factory
@@ -57,6 +57,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.include_router(health.router)
     app.include_router(jobs.router)
+    app.include_router(events.router)
 
     @app.exception_handler(VidqError)
     async def vidq_error(_: Request, exc: VidqError) -> JSONResponse:

@@ -66,7 +66,7 @@ def running_stack(
         info = {"api": api_url, "flower": f"http://127.0.0.1:{flower_port}", "logs": str(group.log_dir)}
         (state_dir / "stack.json").write_text(json.dumps(info, indent=2))
         # Other shells reach the same (possibly embedded) services with `set -a; . .vidq/env; set +a`.
-        exports = {k: v for k, v in stack.env().items()} | {"VIDQ_API_URL": api_url}
+        exports = stack.env() | {"VIDQ_API_URL": api_url}
         (state_dir / "env").write_text("".join(f"{k}={shlex.quote(v)}\n" for k, v in sorted(exports.items())))
         yield env, group
         (state_dir / "env").unlink(missing_ok=True)

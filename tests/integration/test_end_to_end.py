@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -52,3 +53,25 @@ def test_prompt_becomes_mp4_in_s3_and_a_signed_webhook(
     assert deliveries[0]["msg_id"] == request["headers"]["webhook-id"]
 
     assert transitions(settings, job["id"]) == [("queued", "running", 1), ("running", "succeeded", 1)]
+
+
+def test_progress_streams_as_server_sent_events(client, start_worker):
+    from tests.integration.test_reliability import SLOW
+
+    start_worker("video")
+    job = submit(client, **SLOW)
+    events: list[tuple[str, dict]] = []
+    with client.stream("GET", f"/v1/jobs/{job['id']}/events", timeout=120) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        event = None
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                event = line.removeprefix("event: ")
+            elif line.startswith("data: ") and event:
+                events.append((event, json.loads(line.removeprefix("data: "))))
+    kinds = [k for k, _ in events]
+    assert kinds[-1] == "job" and kinds.count("job") == 1
+    assert events[-1][1]["status"] == "succeeded" and events[-1][1]["output"]["frames"] == 17
+    steps = [d["step"] for k, d in events if k == "progress" and d["status"] == "running"]
+    assert steps == sorted(steps) and len(steps) >= 3 and steps[-1] == SLOW["steps"]  # real steps, not 0 → 100
+    assert client.get("/v1/jobs/00000000-0000-0000-0000-000000000000/events").status_code == 404

@@ -1,0 +1,74 @@
+"""``GET /v1/jobs/{id}/events``: progress as Server-Sent Events, so clients see each denoising step without polling.
+
+Events: ``progress`` (status, step, total, percent, attempt) whenever one of them changes, then one ``job`` event
+with the whole job (as ``GET /v1/jobs/{id}`` returns it) once the job is finished, and the stream ends. A comment
+line goes out every 15 s so proxies keep the connection open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import StreamingResponse
+
+from services.api import jobs_service
+from services.api.deps import SessionDep, TenantDep
+from shared.db import session_scope
+from shared.presenters import present_job
+from shared.schemas import ErrorBody
+from shared.states import JobStatus
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+KEEPALIVE_S = 15.0
+
+
+def _sse(event: str, data: dict[str, Any]) -> str:
+    return f"event: {event}\ndata: {json.dumps(data, default=str)}\n\n"
+
+
+@router.get(
+    "/{job_id}/events",
+    response_class=StreamingResponse,
+    responses={
+        200: {"content": {"text/event-stream": {}}, "description": "progress events, then the finished job"},
+        401: {"model": ErrorBody, "description": "missing or invalid API key"},
+        404: {"model": ErrorBody, "description": "no such job for this tenant"},
+        422: {"model": ErrorBody, "description": "invalid request"},
+    },
+)
+def job_events(job_id: uuid.UUID, request: Request, session: SessionDep, tenant: TenantDep) -> StreamingResponse:
+    jobs_service.get_job(session, tenant_id=tenant.id, job_id=job_id)  # 404 before the stream starts
+    settings = request.app.state.settings
+    storage = request.app.state.storage
+    tenant_id = tenant.id
+
+    def snapshot() -> dict[str, Any]:
+        with session_scope(settings) as s:
+            job = jobs_service.get_job(s, tenant_id=tenant_id, job_id=job_id)
+            return present_job(job, settings=settings, storage=storage).model_dump(mode="json")
+
+    async def stream() -> AsyncIterator[str]:
+        started = last_sent = time.monotonic()
+        last: dict[str, Any] | None = None
+        while time.monotonic() - started < settings.events_max_s and not await request.is_disconnected():
+            job = await run_in_threadpool(snapshot)
+            progress = {"status": job["status"], "attempt": job["attempt"], **job["progress"]}
+            if progress != last:
+                yield _sse("progress", progress)
+                last, last_sent = progress, time.monotonic()
+            if JobStatus(job["status"]).is_terminal():
+                yield _sse("job", job)
+                return
+            if time.monotonic() - last_sent > KEEPALIVE_S:
+                yield ": keep-alive\n\n"
+                last_sent = time.monotonic()
+            await asyncio.sleep(settings.events_poll_s)
+
+    return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -60,10 +60,12 @@ def list_jobs(
     settings: SettingsDep,
     tenant: TenantDep,
     status: JobStatus | None = None,
-    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    limit: Annotated[int, Query(ge=1, le=1000, description="at most VIDQ_PAGE_SIZE_MAX are returned")] = 20,
     cursor: str | None = None,
 ) -> JobPage:
-    jobs, next_cursor = jobs_service.list_jobs(session, tenant_id=tenant.id, status=status, limit=limit, cursor=cursor)
+    jobs, next_cursor = jobs_service.list_jobs(
+        session, tenant_id=tenant.id, status=status, limit=min(limit, settings.page_size_max), cursor=cursor
+    )
     storage = request.app.state.storage
     return JobPage(data=[present_job(j, settings=settings, storage=storage) for j in jobs], next_cursor=next_cursor)
 

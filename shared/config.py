@@ -8,7 +8,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Literal
 
-from pydantic import Field, PostgresDsn, RedisDsn, model_validator
+from pydantic import Field, PostgresDsn, RedisDsn, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 PLACEHOLDER_SECRETS = {"", "change-me", "dev", "minioadmin", "secret"}
@@ -105,6 +105,12 @@ class Settings(BaseSettings):
     webhook_backoff_max_s: float = 600.0
     webhook_resend_grace_s: float = 60.0  # a finished job with no delivery attempt after this is handed over again
     webhook_allow_private: bool = False  # loopback/private/link-local targets (tests and the demo only)
+
+    @field_validator("device", "model_dir", "s3_public_secure", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: object) -> object:
+        # `VIDQ_DEVICE=` in an env file means "not set" (auto), not the empty string.
+        return None if value == "" else value
 
     @model_validator(mode="after")
     def _refuse_placeholder_secrets(self) -> Settings:

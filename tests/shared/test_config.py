@@ -1,0 +1,21 @@
+"""Settings: the one place that reads the environment."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.config import Settings
+
+
+def test_empty_optional_settings_mean_unset(monkeypatch):
+    monkeypatch.setenv("VIDQ_DEVICE", "")
+    monkeypatch.setenv("VIDQ_MODEL_DIR", "")
+    monkeypatch.setenv("VIDQ_S3_PUBLIC_SECURE", "")
+    s = Settings()
+    assert (s.device, s.model_dir, s.s3_public_secure) == (None, None, None)
+
+
+def test_placeholder_secrets_are_refused_in_prod():
+    with pytest.raises(ValueError, match="placeholder"):
+        Settings(env="prod", s3_secret_key="vidq-dev-secret")
+    assert Settings(env="prod", s3_secret_key="a-real-secret-value").env == "prod"

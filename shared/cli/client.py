@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -14,6 +15,25 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 console = Console(stderr=True)
 TERMINAL = {"succeeded", "failed", "cancelled"}
+
+
+def follow_events(
+    http: httpx.Client, job_id: str, *, on_progress: Callable[[dict[str, Any]], None], timeout_s: float
+) -> dict[str, Any]:
+    """Read the job's Server-Sent Events until the final ``job`` event; returns the finished job."""
+    timeout = httpx.Timeout(30.0, read=max(60.0, timeout_s))
+    with http.stream("GET", f"/v1/jobs/{job_id}/events", timeout=timeout) as r:
+        r.raise_for_status()
+        event = ""
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                event = line.removeprefix("event: ")
+            elif line.startswith("data: "):
+                data = json.loads(line.removeprefix("data: "))
+                if event == "job":
+                    return dict(data)
+                on_progress(data)
+    raise httpx.ReadError("event stream ended before the job finished")
 
 
 def submit_and_wait(
@@ -44,17 +64,20 @@ def submit_and_wait(
             disable=not show_progress,
         ) as bar:
             task = bar.add_task("queued", total=job["progress"]["total"])
-            while job["status"] not in TERMINAL:
-                if time.monotonic() > deadline:
-                    raise typer.Exit(code=2)
-                time.sleep(0.3)
-                job = http.get(f"/v1/jobs/{job['id']}").raise_for_status().json()
-                bar.update(
-                    task,
-                    description=job["status"],
-                    completed=job["progress"]["step"],
-                    total=job["progress"]["total"],
-                )
+
+            def show(progress: dict[str, Any]) -> None:
+                bar.update(task, description=progress["status"], completed=progress["step"], total=progress["total"])
+
+            try:
+                job = follow_events(http, job["id"], on_progress=show, timeout_s=timeout_s)
+            except httpx.HTTPError:  # a proxy that buffers or cuts streams: poll instead
+                deadline = time.monotonic() + timeout_s
+                while job["status"] not in TERMINAL:
+                    if time.monotonic() > deadline:
+                        raise typer.Exit(code=2) from None
+                    time.sleep(0.3)
+                    job = http.get(f"/v1/jobs/{job['id']}").raise_for_status().json()
+                    show({"status": job["status"], **job["progress"]})
         path = None
         if job["status"] == "succeeded":
             out_dir.mkdir(parents=True, exist_ok=True)

@@ -36,3 +36,39 @@ def test_flower_serves_the_broker(procs):
         assert "Flower" in httpx.get(f"http://127.0.0.1:{port}/", timeout=10).text
     finally:
         procs.stop("flower")
+
+
+def test_generate_follows_progress_and_saves_the_mp4(procs, api_url, tenant_key, start_worker, tmp_path):
+    from services.worker.video import probe
+
+    start_worker("video")
+    out = subprocess.run(
+        vidq_argv(
+            "generate",
+            "a boat on a lake",
+            "--api",
+            api_url,
+            "--key",
+            tenant_key["api_key"],
+            "--width",
+            "64",
+            "--height",
+            "64",
+            "--steps",
+            "4",
+            "--seed",
+            "3",
+            "--out",
+            str(tmp_path),
+        ),
+        env=procs.env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert out.returncode == 0, out.stderr
+    job = json.loads(out.stdout[: out.stdout.rindex("}") + 1])
+    assert job["status"] == "succeeded"
+    mp4 = tmp_path / f"{job['id']}.mp4"
+    assert probe(mp4).codec == "h264" and mp4.stat().st_size == job["output"]["bytes"]
+    assert "4/4 steps" in out.stderr  # the progress bar reached the last step

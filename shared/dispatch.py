@@ -10,6 +10,8 @@ from celery import Celery
 from sqlalchemy import func, update
 from sqlalchemy.orm import Session
 
+from shared.config import Settings
+from shared.db import session_scope
 from shared.models import Job
 from shared.queues import TASK_DELIVER_WEBHOOK, TASK_GENERATE, Queue
 
@@ -19,14 +21,20 @@ log = logging.getLogger("vidq.dispatch")
 _RETRY = {"max_retries": 2, "interval_start": 0.1, "interval_step": 0.3, "interval_max": 0.5}
 
 
-def send_job(celery: Celery, *, job_id: uuid.UUID, queue: str) -> bool:
+def _send(celery: Celery, task: str, *, job_id: uuid.UUID, queue: str) -> bool:
     try:
-        celery.send_task(TASK_GENERATE, args=[str(job_id)], queue=queue, retry=True, retry_policy=_RETRY)
-    except Exception as exc:  # broker down: the sweeper will send it
-        log.warning("send failed; sweeper will resend", extra={"job_id": str(job_id), "error": repr(exc)})
+        celery.send_task(task, args=[str(job_id)], queue=queue, retry=True, retry_policy=_RETRY)
+    except Exception as exc:  # broker down: the sweeper sends it later
+        log.warning(
+            "send failed; the sweeper will resend", extra={"job_id": str(job_id), "task": task, "error": repr(exc)}
+        )
         return False
-    log.info("job sent", extra={"job_id": str(job_id), "queue": queue})
+    log.info("sent", extra={"job_id": str(job_id), "task": task, "queue": queue})
     return True
+
+
+def send_job(celery: Celery, *, job_id: uuid.UUID, queue: str) -> bool:
+    return _send(celery, TASK_GENERATE, job_id=job_id, queue=queue)
 
 
 def mark_enqueued(session: Session, *, job_id: uuid.UUID, queue: str) -> None:
@@ -38,17 +46,15 @@ def mark_enqueued(session: Session, *, job_id: uuid.UUID, queue: str) -> None:
     )
 
 
+def enqueue(celery: Celery, settings: Settings, *, job_id: uuid.UUID, queue: str) -> bool:
+    """Send the job id, then record the send (its own commit). Call only once the job row is committed."""
+    if not send_job(celery, job_id=job_id, queue=queue):
+        return False
+    with session_scope(settings) as session:
+        mark_enqueued(session, job_id=job_id, queue=queue)
+    return True
+
+
 def send_webhook(celery: Celery, *, job_id: uuid.UUID) -> bool:
     """Queue the delivery of a finished job's event (the event type follows from its terminal status)."""
-    try:
-        celery.send_task(
-            TASK_DELIVER_WEBHOOK,
-            args=[str(job_id)],
-            queue=Queue.WEBHOOKS.value,
-            retry=True,
-            retry_policy=_RETRY,
-        )
-    except Exception as exc:  # the sweeper re-sends deliveries that never started
-        log.warning("webhook send failed", extra={"job_id": str(job_id), "error": repr(exc)})
-        return False
-    return True
+    return _send(celery, TASK_DELIVER_WEBHOOK, job_id=job_id, queue=Queue.WEBHOOKS.value)

@@ -3,6 +3,7 @@ caps from settings) so the GPU never sees a request it would reject."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import secrets
@@ -115,8 +116,6 @@ class JobCreate(BaseModel):
 
     def fingerprint(self) -> str:
         """What makes two submissions 'the same request' for Idempotency-Key (the body as sent, canonical)."""
-        import hashlib
-
         body = self.model_dump(mode="json", exclude_none=False)
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
@@ -131,6 +130,18 @@ class ErrorBody(BaseModel):
     """Every error response: a stable code, a message for people, and details where they help."""
 
     error: ErrorDetail
+
+
+# The error statuses of the /v1/jobs routes, for the OpenAPI schema (all share ErrorBody).
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorBody, "description": text}
+    for status, text in [
+        (401, "missing or invalid API key"),
+        (404, "no such job for this tenant"),
+        (409, "the job's state does not allow this"),
+        (422, "invalid request"),
+    ]
+}
 
 
 class ScoreOut(BaseModel):

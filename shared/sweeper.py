@@ -26,7 +26,7 @@ from sqlalchemy import delete, exists, func, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from shared.config import Settings
-from shared.dispatch import mark_enqueued, send_job, send_webhook
+from shared.dispatch import enqueue, send_webhook
 from shared.models import IdempotencyKey, Job, WebhookDelivery
 from shared.queues import PriorityClass, Queue
 from shared.states import TERMINAL, JobStatus, expired_leases, recover_expired, unsent_or_lost
@@ -120,9 +120,7 @@ class Sweeper:
             report.webhooks = _webhooks_due(session, now=now, grace_s=s.webhook_resend_grace_s)
         # After commit: send, then record the send.
         for job_id, queue in to_send:
-            if send_job(self.celery, job_id=job_id, queue=queue):
-                with self.sessions() as session, session.begin():
-                    mark_enqueued(session, job_id=job_id, queue=queue)
+            enqueue(self.celery, self.settings, job_id=job_id, queue=queue)
         for job_id in report.failed + report.webhooks:
             send_webhook(self.celery, job_id=job_id)
         if any((report.requeued, report.failed, report.resent, report.promoted, report.webhooks)):

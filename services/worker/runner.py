@@ -21,7 +21,7 @@ from services.worker.heartbeat import Lease
 from services.worker.metrics import BUSY, FAILURES, JOBS, QUEUE_WAIT, STAGE_SECONDS
 from shared.config import Settings
 from shared.db import session_scope
-from shared.dispatch import mark_enqueued, send_job, send_webhook
+from shared.dispatch import enqueue, send_webhook
 from shared.errors import JobCancelled, LeaseLost
 from shared.spec import GenerationSpec
 from shared.states import cancelled_by_worker, claim, fail, release_for_retry, succeed
@@ -87,9 +87,7 @@ def _run_job(job_id: uuid.UUID, *, settings: Settings, celery: Celery, storage: 
             released = release_for_retry(session, job_id, token=token, reason=f"transient: {type(exc).__name__}")
             queue = released.queue if released else None
         if queue is not None:
-            if send_job(celery, job_id=job_id, queue=queue):
-                with session_scope(settings) as session:
-                    mark_enqueued(session, job_id=job_id, queue=queue)
+            enqueue(celery, settings, job_id=job_id, queue=queue)
             return "retrying"
         return _fail(settings, celery, job_id=job_id, token=token, code="transient_exhausted", message=repr(exc))
     except Exception as exc:
@@ -125,7 +123,7 @@ def _render_and_store(
     pipeline = get_pipeline(spec.model)
     result = pipeline.generate(spec, on_step=lease.on_step)
     lease.check()
-    timings: dict[str, object] = {k: round(v, 4) for k, v in result.timings_s.items()}
+    timings: dict[str, float] = {k: round(v, 4) for k, v in result.timings_s.items()}
     with tempfile.TemporaryDirectory(prefix="vidq-") as tmp:
         # 3. Encode H.264 yuv420p MP4 and a JPEG poster.
         t0 = time.perf_counter()
@@ -140,18 +138,18 @@ def _render_and_store(
         poster = storage.upload(poster_key(tenant_id, str(job_id)), jpg, content_type="image/jpeg")
         timings["upload"] = round(time.perf_counter() - t0, 4)
     for stage, seconds in timings.items():
-        STAGE_SECONDS.labels(stage).observe(float(seconds))  # type: ignore[arg-type]
-    timings["device"] = result.device
-    timings["dtype"] = result.dtype
+        STAGE_SECONDS.labels(stage).observe(seconds)
+    # Stored with the job: stage seconds plus where the render ran.
+    record: dict[str, object] = {**timings, "device": result.device, "dtype": result.dtype}
     if result.peak_vram_bytes is not None:
-        timings["peak_vram_bytes"] = result.peak_vram_bytes
+        record["peak_vram_bytes"] = result.peak_vram_bytes
     return {
         "output_key": video.key,
         "poster_key": poster.key,
         "output_bytes": video.size,
         "output_sha256": video.sha256,
         "output_frames": int(result.frames.shape[0]),
-        "timings": timings,
+        "timings": record,
         "progress_step": spec.steps,
         "progress_total": spec.steps,
     }

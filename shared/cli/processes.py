@@ -32,11 +32,6 @@ class ProcessGroup:
         self.procs[name] = proc
         return proc
 
-    def signal(self, name: str, sig: signal.Signals) -> None:
-        proc = self.procs[name]
-        if proc.poll() is None:
-            os.killpg(proc.pid, sig)
-
     def kill(self, name: str) -> None:
         """SIGKILL the whole process group (a crash: no warm shutdown, no acks) and forget it."""
         proc = self.procs.pop(name)

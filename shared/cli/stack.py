@@ -11,6 +11,7 @@ import json
 import os
 import shlex
 import signal
+import subprocess
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -50,8 +51,6 @@ def running_stack(
     group = ProcessGroup(env=env, log_dir=state_dir / "logs")
     try:
         console.print(f"[dim]postgres {urls.database_url}\nredis    {urls.broker_url}\ns3       {urls.s3_endpoint}[/]")
-        import subprocess
-
         subprocess.run(vidq_argv("migrate"), env=env, check=True, timeout=120)
         api_url = f"http://{settings.api_host}:{settings.api_port}"
         group.start("api", vidq_argv("api", "--no-migrate"))
@@ -99,8 +98,6 @@ def demo(
     state_dir: Annotated[Path, typer.Option()] = STATE_DIR,
 ) -> None:
     """Start the stack, generate one video through the REST API, save the MP4 under out/, stop the stack."""
-    import subprocess
-
     from shared.cli.client import submit_and_wait
 
     with running_stack(state_dir=state_dir, flower_port=5555, allow_private_webhooks=True) as (env, _):

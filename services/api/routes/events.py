@@ -22,10 +22,10 @@ from services.api import jobs_service
 from services.api.deps import SessionDep, TenantDep
 from shared.db import session_scope
 from shared.presenters import present_job
-from shared.schemas import ErrorBody
+from shared.schemas import ERROR_RESPONSES
 from shared.states import JobStatus
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=ERROR_RESPONSES)
 KEEPALIVE_S = 15.0
 
 
@@ -36,12 +36,7 @@ def _sse(event: str, data: dict[str, Any]) -> str:
 @router.get(
     "/{job_id}/events",
     response_class=StreamingResponse,
-    responses={
-        200: {"content": {"text/event-stream": {}}, "description": "progress events, then the finished job"},
-        401: {"model": ErrorBody, "description": "missing or invalid API key"},
-        404: {"model": ErrorBody, "description": "no such job for this tenant"},
-        422: {"model": ErrorBody, "description": "invalid request"},
-    },
+    responses={200: {"content": {"text/event-stream": {}}, "description": "progress events, then the finished job"}},
 )
 def job_events(job_id: uuid.UUID, request: Request, session: SessionDep, tenant: TenantDep) -> StreamingResponse:
     jobs_service.get_job(session, tenant_id=tenant.id, job_id=job_id)  # 404 before the stream starts

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Request, Response
 from sqlalchemy import select
@@ -11,22 +11,13 @@ from sqlalchemy import select
 from services.api import jobs_service
 from services.api.deps import SessionDep, SettingsDep, TenantDep
 from services.api.metrics import SUBMITS
-from shared.dispatch import mark_enqueued, send_job, send_webhook
+from shared.dispatch import enqueue, send_webhook
 from shared.models import WebhookDelivery
 from shared.presenters import present_job
-from shared.schemas import ErrorBody, JobCreate, JobOut, JobPage, WebhookDeliveryOut
+from shared.schemas import ERROR_RESPONSES, JobCreate, JobOut, JobPage, WebhookDeliveryOut
 from shared.states import JobStatus, request_cancel
 
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorBody, "description": text}
-    for status, text in [
-        (401, "missing or invalid API key"),
-        (404, "no such job for this tenant"),
-        (409, "the job's state does not allow this"),
-        (422, "invalid request"),
-    ]
-}
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=_ERRORS)
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=ERROR_RESPONSES)
 
 
 @router.post("", status_code=202, response_model=JobOut)
@@ -44,9 +35,7 @@ def submit_job(
     session.commit()
     if created:
         SUBMITS.labels(priority_class=job.priority_class).inc()
-        if send_job(request.app.state.celery, job_id=job.id, queue=job.queue):
-            mark_enqueued(session, job_id=job.id, queue=job.queue)
-            session.commit()
+        enqueue(request.app.state.celery, settings, job_id=job.id, queue=job.queue)
     else:
         response.headers["Idempotent-Replayed"] = "true"
     response.headers["Location"] = f"/v1/jobs/{job.id}"

@@ -23,9 +23,9 @@ test: venv
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -p no:cacheprovider
 
 lint: venv
-	$(BIN)/ruff check shared services tests benchmarks migrations
-	$(BIN)/ruff format --check shared services tests benchmarks migrations
-	$(BIN)/mypy shared services
+	$(BIN)/ruff check shared services tools tests benchmarks migrations
+	$(BIN)/ruff format --check shared services tools tests benchmarks migrations
+	$(BIN)/mypy shared services tools
 
 clean:
 	rm -rf $(VENV) .vidq out

@@ -29,6 +29,7 @@ RUN pip install .
 # runtime stage, at the same path, so the venv's import hook keeps pointing at it.
 COPY shared ./shared
 COPY services ./services
+COPY tools ./tools
 COPY migrations ./migrations
 RUN pip install --no-deps -e . \
     && python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is not None)" \

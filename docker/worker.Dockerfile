@@ -35,6 +35,7 @@ COPY pyproject.toml README.md ./
 RUN pip install --constraint /opt/torch-constraint.txt ".[worker]"
 COPY shared ./shared
 COPY services ./services
+COPY tools ./tools
 COPY migrations ./migrations
 # Editable ON PURPOSE: shared/migrate.py finds migrations/ beside the packages, which a wheel does not carry;
 # /app is copied to the same path in the runtime stage.
@@ -99,6 +100,7 @@ COPY pyproject.toml README.md ./
 RUN python3 -m pip --python /opt/venv/bin/python install --constraint /opt/base-torch.txt ".[worker]"
 COPY shared ./shared
 COPY services ./services
+COPY tools ./tools
 COPY migrations ./migrations
 RUN python3 -m pip --python /opt/venv/bin/python install --no-deps -e . \
     && /opt/venv/bin/python -c "import torch; assert torch.version.cuda, 'the base image CUDA torch was replaced'" \

@@ -31,7 +31,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def stack_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """Start (or reuse) the backing services once; a fresh database per test session."""
-    from shared.devstack import DevStack, ensure_database
+    from tools.devstack import DevStack, ensure_database
 
     base = tmp_path_factory.mktemp("stack")
     db_name = f"vidq_test_{uuid.uuid4().hex[:8]}"

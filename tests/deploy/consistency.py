@@ -31,10 +31,10 @@ ClickCommand = Any
 
 @cache
 def cli_root() -> ClickCommand:
-    from shared.cli import app
+    from tools.cli import app
 
     command = typer.main.get_command(app)
-    assert hasattr(command, "commands"), "shared.cli.app should be a group of sub-commands"
+    assert hasattr(command, "commands"), "tools.cli.app should be a group of sub-commands"
     return command
 
 
@@ -104,7 +104,7 @@ def cli_args_problems(args: Sequence[str]) -> list[str]:
 
 
 def worker_roles() -> dict[str, list[str]]:
-    from shared.cli import WORKER_ROLES
+    from tools.cli import WORKER_ROLES
 
     return {role: list(queues) for role, queues in WORKER_ROLES.items()}
 

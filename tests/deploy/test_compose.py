@@ -589,8 +589,8 @@ import sys
 for blocked in ("torch", "diffusers", "transformers", "accelerate", "av", "PIL", "numpy", "tokenizers"):
     sys.modules[blocked] = None  # `import blocked` now raises ImportError
 import typer
-import shared.cli
-typer.main.get_command(shared.cli.app)
+import tools.cli
+typer.main.get_command(tools.cli.app)
 from services.api.app import create_app
 create_app()
 import services.worker.app, services.worker.tasks, services.worker.webhook_tasks, shared.migrate

@@ -7,7 +7,7 @@ import subprocess
 
 import httpx
 
-from shared.cli.processes import vidq_argv, wait_http
+from tools.cli.processes import vidq_argv, wait_http
 from tests.integration.conftest import free_port
 
 

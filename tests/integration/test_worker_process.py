@@ -9,7 +9,7 @@ import time
 
 import httpx
 
-from shared.cli.processes import vidq_argv
+from tools.cli.processes import vidq_argv
 from shared.storage import Storage
 from tests.integration.conftest import free_port
 from tests.integration.helpers import submit, transitions, wait_job

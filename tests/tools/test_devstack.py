@@ -1,4 +1,4 @@
-"""shared.devstack against real processes: SeaweedFS, redis-server and PostgreSQL from their wheels, and this
+"""tools.devstack against real processes: SeaweedFS, redis-server and PostgreSQL from their wheels, and this
 machine's own Postgres and Redis where they answer."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import redis
 from minio import Minio
 from psycopg import sql
 
-from shared.devstack import (
+from tools.devstack import (
     DevStack,
     EmbeddedPostgres,
     EmbeddedRedis,

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from shared.cli import client, stack
+from tools.cli import client, stack
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="vidq: asynchronous text-to-video service.")
 app.command("up")(stack.up)

@@ -15,7 +15,7 @@ import httpx
 
 
 def vidq_argv(*args: str) -> list[str]:
-    return [sys.executable, "-m", "shared.cli", *args]
+    return [sys.executable, "-m", "tools.cli", *args]
 
 
 @dataclass

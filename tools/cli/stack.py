@@ -21,7 +21,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from shared.cli.processes import ProcessGroup, vidq_argv, wait_for_log, wait_http
+from tools.cli.processes import ProcessGroup, vidq_argv, wait_for_log, wait_http
 from shared.config import get_settings
 
 console = Console(stderr=True)
@@ -32,7 +32,7 @@ STATE_DIR = Path(".vidq")
 def running_stack(
     *, state_dir: Path, flower_port: int, allow_private_webhooks: bool
 ) -> Iterator[tuple[dict[str, str], ProcessGroup]]:
-    from shared.devstack import DevStack
+    from tools.devstack import DevStack
 
     settings = get_settings()
     stack = DevStack()
@@ -98,7 +98,7 @@ def demo(
     state_dir: Annotated[Path, typer.Option()] = STATE_DIR,
 ) -> None:
     """Start the stack, generate one video through the REST API, save the MP4 under out/, stop the stack."""
-    from shared.cli.client import submit_and_wait
+    from tools.cli.client import submit_and_wait
 
     with running_stack(state_dir=state_dir, flower_port=5555, allow_private_webhooks=True) as (env, _):
         created = subprocess.run(

@@ -12,8 +12,8 @@ from urllib.parse import urlsplit
 
 from psycopg.conninfo import conninfo_to_dict
 
-from shared.devstack.embedded import EmbeddedPostgres, EmbeddedRedis
-from shared.devstack.probes import (
+from tools.devstack.embedded import EmbeddedPostgres, EmbeddedRedis
+from tools.devstack.probes import (
     ensure_bucket,
     ensure_database,
     libpq_url,
@@ -23,7 +23,7 @@ from shared.devstack.probes import (
     redact_url,
     s3_client,
 )
-from shared.devstack.seaweed import SeaweedS3
+from tools.devstack.seaweed import SeaweedS3
 
 logger = logging.getLogger(__name__)
 

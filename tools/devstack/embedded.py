@@ -14,8 +14,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-from shared.devstack._process import HOST, ManagedProcess, StartupError, free_ports, log_tail, wait_until
-from shared.devstack.probes import ensure_database, probe_postgres, probe_redis
+from tools.devstack._process import HOST, ManagedProcess, StartupError, free_ports, log_tail, wait_until
+from tools.devstack.probes import ensure_database, probe_postgres, probe_redis
 
 if TYPE_CHECKING:
     import psutil

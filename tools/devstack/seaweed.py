@@ -14,8 +14,8 @@ from types import TracebackType
 
 from minio.helpers import check_bucket_name
 
-from shared.devstack._process import HOST, ManagedProcess, StartupError, free_ports, wait_until
-from shared.devstack.probes import ensure_bucket, s3_client
+from tools.devstack._process import HOST, ManagedProcess, StartupError, free_ports, wait_until
+from tools.devstack.probes import ensure_bucket, s3_client
 
 logger = logging.getLogger(__name__)
 

@@ -1,3 +1,0 @@
-from shared.cli import app
-
-app()

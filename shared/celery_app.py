@@ -4,7 +4,7 @@ the worker's task modules, so never torch); the worker registers its tasks on it
 Priority: kombu's Redis transport issues one ``BRPOP video.high video.medium video.low …`` per fetch. With
 ``queue_order_strategy="priority"`` the key order is fixed (Celery's default, round-robin, rotates it after each
 message, which is fair, not priority), so Redis pops from the first non-empty queue. Low is kept from starving
-by aging in the sweeper, not by the broker (see shared/sweeper.py).
+by aging in the sweeper, not by the broker (see services/sweeper/sweeper.py).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from shared.db import get_engine, session_factory
 from shared.errors import VidqError
 from shared.logs import configure_logging
 from shared.storage import Storage
-from shared.sweeper import Sweeper
+from services.sweeper.sweeper import Sweeper
 
 log = logging.getLogger("vidq.api")
 

@@ -156,7 +156,7 @@ def sweep(once: Annotated[bool, typer.Option("--once/--forever")] = False) -> No
     from shared.config import get_settings
     from shared.db import session_factory
     from shared.logs import configure_logging
-    from shared.sweeper import Sweeper
+    from services.sweeper.sweeper import Sweeper
 
     settings = get_settings()
     configure_logging(level=settings.log_level, json_logs=settings.log_json)

@@ -1,5 +1,7 @@
-"""The Celery application as both sides see it. The API uses it only to ``send_task`` by name (it never imports
-the worker's task modules, so never torch); the worker registers its tasks on it (services/worker/app.py).
+"""The Celery application as every process sees it. The API and the sweeper use it only to ``send_task`` by name
+(they never import a task module, so never torch); the video worker (services/worker/app.py) and the webhook
+worker (services/webhooks/app.py) register their tasks on it. The app carries the process's settings, so a task
+reads ``self.app.settings`` instead of building its own.
 
 Priority: kombu's Redis transport issues one ``BRPOP video.high video.medium video.low …`` per fetch. With
 ``queue_order_strategy="priority"`` the key order is fixed (Celery's default, round-robin, rotates it after each
@@ -14,11 +16,28 @@ from kombu import Exchange
 from kombu import Queue as KQueue
 
 from shared.config import Settings
+from shared.storage import Storage
 from shared.queues import TASK_DELIVER_WEBHOOK, TASK_GENERATE, Queue
 
 
-def make_celery(settings: Settings) -> Celery:
-    app = Celery("vidq", broker=str(settings.broker_url), set_as_current=True)
+class VidqCelery(Celery):  # type: ignore[misc]  # celery ships no types
+    """A Celery app that carries the settings it was built from."""
+
+    def __init__(self, settings: Settings) -> None:
+        super().__init__("vidq", broker=str(settings.broker_url), set_as_current=True)
+        self.settings = settings
+        self._storage: Storage | None = None
+
+    @property
+    def storage(self) -> Storage:
+        """The process's S3 client, built on first use (in the pool child, after fork)."""
+        if self._storage is None:
+            self._storage = Storage(self.settings)
+        return self._storage
+
+
+def make_celery(settings: Settings) -> VidqCelery:
+    app = VidqCelery(settings)
     app.conf.update(
         task_queues=[KQueue(q.value, Exchange(q.value, type="direct"), routing_key=q.value) for q in Queue],
         task_default_queue=Queue.MEDIUM.value,

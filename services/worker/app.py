@@ -20,7 +20,8 @@ log = logging.getLogger("vidq.worker")
 
 settings = get_settings()
 celery = make_celery(settings)
-celery.conf.include = ["services.worker.tasks", "services.worker.webhook_tasks"]
+# The webhook task is included too, so one worker can serve every queue (``vidq worker --role all``: demo, tests).
+celery.conf.include = ["services.worker.tasks", "services.webhooks.tasks"]
 app = celery
 
 

@@ -3,19 +3,13 @@
 from __future__ import annotations
 
 import uuid
-from functools import cache
 
-from services.worker.app import celery, settings
+from celery import Task, shared_task
+
 from services.worker.runner import run_job
 from shared.queues import TASK_GENERATE
-from shared.storage import Storage
 
 
-@cache
-def _storage() -> Storage:
-    return Storage(settings)
-
-
-@celery.task(name=TASK_GENERATE, acks_late=True, ignore_result=True)
-def generate(job_id: str) -> str:
-    return run_job(uuid.UUID(job_id), settings=settings, celery=celery, storage=_storage())
+@shared_task(name=TASK_GENERATE, bind=True, acks_late=True, ignore_result=True)
+def generate(self: Task, job_id: str) -> str:
+    return run_job(uuid.UUID(job_id), settings=self.app.settings, celery=self.app, storage=self.app.storage)

@@ -593,7 +593,7 @@ import tools.cli
 typer.main.get_command(tools.cli.app)
 from services.api.app import create_app
 create_app()
-import services.worker.app, services.worker.tasks, services.worker.webhook_tasks, shared.migrate
+import services.webhooks.app, services.webhooks.tasks, services.sweeper.sweeper, shared.migrate
 """
     result = subprocess.run(
         [sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=False

@@ -98,7 +98,10 @@ def worker(
         # Passed to the pool child (worker_process_init reads it through Settings).
         os.environ["VIDQ_WORKER_PRELOAD_MODELS"] = json.dumps([settings.default_model])
         get_settings.cache_clear()
-    from services.worker.app import celery
+    if role == "webhooks":  # the CPU-only worker: never imports the render code
+        from services.webhooks.app import celery
+    else:
+        from services.worker.app import celery
 
     celery.worker_main(
         [

@@ -8,30 +8,23 @@ import json
 import logging
 import uuid
 from datetime import UTC, datetime
-from functools import cache
 
-from celery import Task
+from celery import Task, shared_task
 from sqlalchemy import insert, select
 
-from services.worker.app import celery, settings
 from shared.db import session_scope
 from shared.models import Job, Tenant, WebhookDelivery
 from shared.presenters import present_job
 from shared.queues import TASK_DELIVER_WEBHOOK
 from shared.states import JobStatus
-from shared.storage import Storage
 from shared.webhooks import backoff_s, build_event, deliver, sign
 
 log = logging.getLogger("vidq.worker.webhooks")
 
 
-@cache
-def _storage() -> Storage:
-    return Storage(settings)
-
-
-@celery.task(name=TASK_DELIVER_WEBHOOK, bind=True, acks_late=True, ignore_result=True, max_retries=None)
+@shared_task(name=TASK_DELIVER_WEBHOOK, bind=True, acks_late=True, ignore_result=True, max_retries=None)
 def deliver_webhook(self: Task, job_id: str) -> str:
+    settings = self.app.settings
     jid = uuid.UUID(job_id)
     ctx = {"job_id": job_id}
     with session_scope(settings) as session:
@@ -46,7 +39,7 @@ def deliver_webhook(self: Task, job_id: str) -> str:
         event_type = f"job.{job.status}"
         payload = build_event(
             event_type=event_type,
-            job=present_job(job, settings=settings, storage=_storage()).model_dump(mode="json"),
+            job=present_job(job, settings=settings, storage=self.app.storage).model_dump(mode="json"),
         )
         url = job.webhook_url
     msg_id = f"msg_{job_id.replace('-', '')}_{event_type.split('.')[1]}"

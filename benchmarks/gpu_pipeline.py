@@ -32,9 +32,9 @@ import tokenizers
 import torch
 import transformers
 
-from services.worker.models import WAN21_13B_ARCH, build_pipeline, resolve_device
-from services.worker.pipeline import VideoPipeline
-from services.worker.video import encode_mp4, probe
+from shared.render.registry import WAN21_13B_ARCH, build_pipeline, resolve_device
+from shared.render.pipeline import VideoPipeline
+from shared.render.video import encode_mp4, probe
 from shared.spec import GenerationSpec
 
 PROMPT = "a red fox runs through fresh snow in a quiet forest at sunrise, cinematic, detailed"

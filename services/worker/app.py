@@ -51,7 +51,7 @@ def _init_main(**_: Any) -> None:
 def _init_child(**_: Any) -> None:
     dispose_engines()  # never share a parent's sockets across fork
     for model in settings.worker_preload_models:
-        from services.worker.models import get_pipeline
+        from shared.render.registry import get_pipeline
 
         get_pipeline(model)
         log.info("pipeline loaded", extra={"model": model})

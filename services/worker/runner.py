@@ -91,7 +91,7 @@ def _run_job(job_id: uuid.UUID, *, settings: Settings, celery: Celery, storage: 
             return "retrying"
         return _fail(settings, celery, job_id=job_id, token=token, code="transient_exhausted", message=repr(exc))
     except Exception as exc:
-        from services.worker.pipeline import PermanentRenderError
+        from shared.render.pipeline import PermanentRenderError
 
         code = "invalid_for_model" if isinstance(exc, PermanentRenderError) else "render_failed"
         log.exception("render failed", extra=ctx)
@@ -115,8 +115,8 @@ def _render_and_store(
     tenant_id: str,
     job_id: uuid.UUID,
 ) -> dict[str, object]:
-    from services.worker.models import get_pipeline
-    from services.worker.video import encode_mp4, write_poster
+    from shared.render.registry import get_pipeline
+    from shared.render.video import encode_mp4, write_poster
 
     # 2. Render (the pipeline is loaded once per process and kept warm); on_step reports progress and stops
     #    the denoising loop at the next step when the job is cancelled.

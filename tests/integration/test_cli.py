@@ -39,7 +39,7 @@ def test_flower_serves_the_broker(procs):
 
 
 def test_generate_follows_progress_and_saves_the_mp4(procs, api_url, tenant_key, start_worker, tmp_path):
-    from services.worker.video import probe
+    from shared.render.video import probe
 
     start_worker("video")
     out = subprocess.run(

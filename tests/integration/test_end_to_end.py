@@ -8,7 +8,7 @@ import time
 import httpx
 from standardwebhooks.webhooks import Webhook
 
-from services.worker.video import probe
+from shared.render.video import probe
 from tests.integration.helpers import submit, transitions, wait_job
 
 

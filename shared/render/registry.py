@@ -33,7 +33,7 @@ from tokenizers import Tokenizer, normalizers, pre_tokenizers, processors
 from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
 
-from services.worker.pipeline import VideoPipeline
+from shared.render.pipeline import VideoPipeline
 from shared.config import get_settings
 
 TINY_WAN = "tiny-wan"

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from services.worker.video import encode_mp4, probe, write_poster
+from shared.render.video import encode_mp4, probe, write_poster
 
 
 @pytest.fixture

@@ -32,8 +32,8 @@ import tokenizers
 import torch
 import transformers
 
-from shared.render.registry import WAN21_13B_ARCH, build_pipeline, resolve_device
 from shared.render.pipeline import VideoPipeline
+from shared.render.registry import WAN21_13B_ARCH, build_pipeline, resolve_device
 from shared.render.video import encode_mp4, probe
 from shared.spec import GenerationSpec
 

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from benchmarks.gpu_pipeline import machine
-from shared.render.registry import WAN21_13B_ARCH, build_pipeline, resolve_device
 from shared.render.pipeline import VideoPipeline
+from shared.render.registry import WAN21_13B_ARCH, build_pipeline, resolve_device
 from shared.spec import GenerationSpec
 
 SHAPES = [(480, 832, 33), (480, 832, 81), (720, 1280, 33), (720, 1280, 81)]

@@ -16,8 +16,8 @@ from kombu import Exchange
 from kombu import Queue as KQueue
 
 from shared.config import Settings
-from shared.storage import Storage
 from shared.queues import TASK_DELIVER_WEBHOOK, TASK_GENERATE, Queue
+from shared.storage import Storage
 
 
 class VidqCelery(Celery):  # type: ignore[misc]  # celery ships no types

@@ -73,7 +73,7 @@ class Settings(BaseSettings):
     score_node_norm: int = 200
     score_high: float = 0.8
     score_medium: float = 0.5
-    # Anti-starvation: a job waiting longer than this in its queue is re-sent one class up (see services/sweeper/sweeper.py).
+    # Anti-starvation: a job waiting longer than this in its queue is re-sent one class up (services/sweeper).
     aging_promote_after_s: float = 300.0
 
     # --- reliability --------------------------------------------------------------------------------------------

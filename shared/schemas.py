@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from shared.config import get_settings
 from shared.spec import frames_for
-from shared.webhooks import validate_webhook_url
+from shared.webhooks.urls import validate_webhook_url
 
 # Presets are landscape; 1080p is 1088 high because Wan needs multiples of 16.
 RESOLUTION_PRESETS: dict[str, tuple[int, int]] = {

@@ -11,7 +11,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from shared.models import ApiKey, Tenant
-from shared.webhooks import new_secret
+from shared.webhooks.signing import new_secret
 
 KEY_PREFIX = "vidq_"
 

@@ -14,13 +14,13 @@ from fastapi.responses import JSONResponse
 
 from services.api.metrics import ERRORS, REQUEST_SECONDS
 from services.api.routes import events, health, jobs
+from services.sweeper.sweeper import Sweeper
 from shared.celery_app import make_celery
 from shared.config import Settings, get_settings
 from shared.db import get_engine, session_factory
 from shared.errors import VidqError
 from shared.logs import configure_logging
 from shared.storage import Storage
-from services.sweeper.sweeper import Sweeper
 
 log = logging.getLogger("vidq.api")
 

@@ -11,15 +11,25 @@ from datetime import UTC, datetime
 
 from celery import Task, shared_task
 from sqlalchemy import insert, select
+from tenacity import RetryCallState, wait_random_exponential
 
 from shared.db import session_scope
 from shared.models import Job, Tenant, WebhookDelivery
 from shared.presenters import present_job
 from shared.queues import TASK_DELIVER_WEBHOOK
 from shared.states import JobStatus
-from shared.webhooks import backoff_s, build_event, deliver, sign
+from shared.webhooks.signing import build_event, sign
+from shared.webhooks.transport import deliver
 
-log = logging.getLogger("vidq.worker.webhooks")
+log = logging.getLogger("vidq.webhooks")
+
+
+def retry_delay_s(attempt: int, *, base_s: float, max_s: float) -> float:
+    """Delay after failed attempt ``attempt`` (1-based): uniform in [0, min(max_s, base_s * 2**(attempt-1))].
+    Full jitter spreads the retries of many failed deliveries instead of sending them in waves."""
+    state = RetryCallState(retry_object=None, fn=None, args=(), kwargs={})  # type: ignore[arg-type]
+    state.attempt_number = attempt
+    return float(wait_random_exponential(multiplier=base_s, max=max_s)(state))
 
 
 @shared_task(name=TASK_DELIVER_WEBHOOK, bind=True, acks_late=True, ignore_result=True, max_retries=None)
@@ -80,6 +90,6 @@ def deliver_webhook(self: Task, job_id: str) -> str:
     if result.ok:
         return "delivered"
     if result.retryable and attempt < settings.webhook_max_attempts:
-        delay = backoff_s(attempt - 1, base_s=settings.webhook_backoff_base_s, max_s=settings.webhook_backoff_max_s)
+        delay = retry_delay_s(attempt, base_s=settings.webhook_backoff_base_s, max_s=settings.webhook_backoff_max_s)
         raise self.retry(countdown=delay)
     return "gave_up"

@@ -33,8 +33,8 @@ from tokenizers import Tokenizer, normalizers, pre_tokenizers, processors
 from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
 
-from shared.render.pipeline import VideoPipeline
 from shared.config import get_settings
+from shared.render.pipeline import VideoPipeline
 
 TINY_WAN = "tiny-wan"
 WAN21_13B_ARCH = "wan2.1-1.3b-arch"

@@ -8,11 +8,11 @@ import uuid
 
 from celery import Celery
 
+from services.sweeper.sweeper import Sweeper
 from shared.celery_app import make_celery
 from shared.db import session_factory, session_scope
 from shared.queues import TASK_GENERATE
 from shared.storage import Storage
-from services.sweeper.sweeper import Sweeper
 from tests.integration.helpers import TINY, db_job, submit, transitions, wait_job
 
 # Long enough on this CPU that the kill lands mid-render.

@@ -155,11 +155,11 @@ def sweep(once: Annotated[bool, typer.Option("--once/--forever")] = False) -> No
     """Run the sweeper (re-sends lost jobs, recovers dead workers' jobs, ages low jobs up)."""
     import threading
 
+    from services.sweeper.sweeper import Sweeper
     from shared.celery_app import make_celery
     from shared.config import get_settings
     from shared.db import session_factory
     from shared.logs import configure_logging
-    from services.sweeper.sweeper import Sweeper
 
     settings = get_settings()
     configure_logging(level=settings.log_level, json_logs=settings.log_json)

@@ -21,8 +21,8 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from tools.cli.processes import ProcessGroup, vidq_argv, wait_for_log, wait_http
 from shared.config import get_settings
+from tools.cli.processes import ProcessGroup, vidq_argv, wait_for_log, wait_http
 
 console = Console(stderr=True)
 STATE_DIR = Path(".vidq")

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from shared.render.registry import TINY_WAN, build_pipeline, resolve_device
 from shared.render.pipeline import VideoPipeline
+from shared.render.registry import TINY_WAN, build_pipeline, resolve_device
 from shared.spec import GenerationSpec
 
 pytestmark = [

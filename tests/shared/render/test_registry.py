@@ -11,9 +11,9 @@ import pytest
 import torch
 from diffusers import WanPipeline
 
+from shared.render.pipeline import PermanentRenderError, RenderResult, VideoPipeline
 from shared.render.registry import TINY_WAN, build_pipeline, build_tokenizer, get_pipeline, resolve_device
 from shared.render.registry import clear_cache as clear_pipeline_cache
-from shared.render.pipeline import PermanentRenderError, RenderResult, VideoPipeline
 from shared.spec import GenerationSpec
 
 CPU = torch.device("cpu")

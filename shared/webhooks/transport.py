@@ -1,45 +1,28 @@
-"""Signed webhooks (Standard Webhooks, signature v1) and one guarded delivery attempt; callers own retries.
+"""One guarded delivery attempt; callers own retries.
 
-A webhook URL is user input, so delivery must not reach the cluster's own network. The address is checked
-while connecting (resolve, check every address, connect to a checked IP), so DNS rebinding between a check
-and the connect cannot slip through. Redirects are reported (``redirect_not_followed``), never followed.
+The address is checked while connecting (resolve, check every address, connect to a checked IP), so DNS rebinding
+between a check and the connect cannot slip through. Redirects are reported (``redirect_not_followed``), never
+followed.
 """
 
 from __future__ import annotations
 
-import base64
 import ipaddress
-import random
-import secrets
 import socket
 import ssl
 import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
-from urllib.parse import urlsplit
 
 import httpcore
-from standardwebhooks.webhooks import Webhook
 
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+from shared.webhooks.urls import AddressNotAllowed, IPAddress, check_address, validate_webhook_url
+
 Resolver = Callable[[str, int, float | None], list[IPAddress]]
 
-EVENT_TYPES = ("job.succeeded", "job.failed", "job.cancelled")
-USER_AGENT = "vidq-webhooks/1"
-MAX_URL_LENGTH = 2048
 EXCERPT_CHARS = 512
-# Metadata endpoints hand out cloud credentials: refused even when private addresses are allowed.
-METADATA_ADDRESSES = frozenset(ipaddress.ip_address(a) for a in ("169.254.169.254", "fd00:ec2::254", "100.100.100.200"))
-_CGNAT = ipaddress.ip_network("100.64.0.0/10")  # the stdlib calls it neither private nor global
-_THIS_NETWORK = ipaddress.ip_network("0.0.0.0/8")  # Linux delivers 0.x to the local host
-_PRIVATE_KINDS = frozenset({"loopback", "link-local", "private", "carrier-grade NAT"})
-
-
-class AddressNotAllowed(Exception):
-    """The destination resolves to an address webhooks may not reach."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,103 +33,6 @@ class DeliveryResult:
     duration_ms: int
     response_excerpt: str
     retryable: bool
-
-
-def new_secret() -> str:
-    return "whsec_" + base64.b64encode(secrets.token_bytes(32)).decode("ascii")
-
-
-def build_event(*, event_type: str, job: dict[str, Any], at: datetime | None = None) -> dict[str, Any]:
-    if event_type not in EVENT_TYPES:
-        raise ValueError(f"unknown event type {event_type!r}; expected one of {', '.join(EVENT_TYPES)}")
-    return {"type": event_type, "timestamp": (at or datetime.now(UTC)).isoformat(), "data": job}
-
-
-def sign(secret: str, *, msg_id: str, body: bytes, timestamp: datetime) -> dict[str, str]:
-    """Headers for one message. Keep ``msg_id`` the same across retries: receivers dedupe on it."""
-    if timestamp.tzinfo is None:
-        raise ValueError("timestamp must be timezone-aware")
-    # The library replaces the zone with UTC instead of converting, which would shift the signed time.
-    utc = timestamp.astimezone(UTC)
-    return {
-        "webhook-id": msg_id,
-        "webhook-timestamp": str(int(utc.timestamp())),
-        "webhook-signature": Webhook(secret).sign(msg_id, utc, body.decode("utf-8")),
-        "content-type": "application/json",
-        "user-agent": USER_AGENT,
-    }
-
-
-def _refusal(ip: IPAddress) -> str | None:
-    """Why ``ip`` is not a public unicast address; None when it is. Order matters: ::1 is also reserved."""
-    checks = (
-        (ip.is_unspecified or ip in _THIS_NETWORK, "unspecified"),
-        (ip.is_loopback, "loopback"),
-        (ip.is_multicast, "multicast"),
-        (ip.is_link_local, "link-local"),
-        (ip.is_reserved, "reserved"),
-        (ip in _CGNAT, "carrier-grade NAT"),
-        (ip.is_private, "private"),
-        (not ip.is_global, "not globally routable"),
-    )
-    return next((reason for hit, reason in checks if hit), None)
-
-
-def check_address(ip: IPAddress, *, allow_private: bool) -> None:
-    """Raise AddressNotAllowed unless ``ip`` may receive webhooks. ``allow_private`` admits loopback, private,
-    link-local and CGNAT ranges (development, in-cluster receivers), never metadata or unroutable ones."""
-    # ::ffff:a.b.c.d reaches a.b.c.d. (NAT64's 64:ff9b::/96 sits in the reserved ::/8, so it is refused.)
-    target = ip.ipv4_mapped or ip if isinstance(ip, ipaddress.IPv6Address) else ip
-    if target in METADATA_ADDRESSES:
-        raise AddressNotAllowed(f"{ip} is a cloud metadata address")
-    reason = _refusal(target)
-    if reason is not None and not (allow_private and reason in _PRIVATE_KINDS):
-        raise AddressNotAllowed(f"{ip} is {reason}")
-
-
-def validate_webhook_url(url: str, *, allow_private: bool | None = None) -> str:
-    """Check a webhook URL with no network access. With ``allow_private`` given, an IP-literal host is checked
-    too, so an obviously internal target gets a 4xx at submit time rather than failing at delivery."""
-    if len(url) > MAX_URL_LENGTH:
-        raise ValueError(f"webhook URL is longer than {MAX_URL_LENGTH} characters")
-    if not url.isascii() or not url.isprintable() or " " in url:
-        raise ValueError("webhook URL must be ASCII without spaces (percent-encode; punycode for IDN hosts)")
-    try:
-        parts = urlsplit(url)
-        port = parts.port  # ValueError when not a number or out of range
-    except ValueError as exc:
-        raise ValueError(f"webhook URL is malformed: {exc}") from None
-    if parts.scheme.lower() not in ("http", "https"):
-        raise ValueError("webhook URL must use http or https")
-    if "@" in parts.netloc:
-        raise ValueError("webhook URL must not contain credentials (user:password@)")
-    if not parts.hostname:
-        raise ValueError("webhook URL must have a host")
-    if port == 0:
-        raise ValueError("webhook URL port must be between 1 and 65535")
-    if parts.fragment:
-        raise ValueError("webhook URL must not have a #fragment (it is never sent to the server)")
-    try:
-        ip = ipaddress.ip_address(parts.hostname)
-    except ValueError:
-        if not all(ch.isalnum() or ch in "-._" for ch in parts.hostname):
-            raise ValueError("webhook URL host is not a valid domain name") from None
-        return url
-    if allow_private is not None:
-        try:
-            check_address(ip, allow_private=allow_private)
-        except AddressNotAllowed as exc:
-            raise ValueError(f"webhook URL host is not allowed: {exc}") from None
-    return url
-
-
-def backoff_s(attempt: int, *, base_s: float, max_s: float, rng: random.Random | None = None) -> float:
-    """Delay before retry ``attempt`` (0-based), uniform in [0, min(max_s, base_s * 2**attempt)]: full jitter
-    spreads the retries of many failed deliveries instead of sending them in waves."""
-    if attempt < 0:
-        raise ValueError("attempt must be >= 0")
-    ceiling = min(max_s, base_s * 2.0 ** min(attempt, 64))  # capped so 2**attempt cannot overflow
-    return (rng or random).uniform(0.0, ceiling)
 
 
 class _ResolveError(httpcore.ConnectError): ...

@@ -35,19 +35,10 @@ def present_job(job: Job, *, settings: Settings, storage: Storage | None) -> Job
             height=spec.height,
         )
     return JobOut(
+        **spec.model_dump(),
         id=job.id,
         status=job.status,
-        model=spec.model,
-        prompt=spec.prompt,
-        negative_prompt=spec.negative_prompt,
-        width=spec.width,
-        height=spec.height,
-        num_frames=spec.num_frames,
-        fps=spec.fps,
         duration_s=job.duration_s,
-        steps=spec.steps,
-        guidance_scale=spec.guidance_scale,
-        seed=spec.seed,
         score=ScoreOut(
             value=job.score,
             complexity=job.score_complexity,

@@ -1,5 +1,8 @@
-"""Request and response bodies. Requests enforce the pipeline's own rules (H, W multiples of 16; frames 4k+1;
-caps from settings) so the GPU never sees a request it would reject."""
+"""Request and response bodies, derived from the one definition of a job's parameters (shared/spec.py).
+
+Requests enforce the pipeline's own rules through the types in shared/spec.py; ``JobCreate.to_spec`` resolves the
+defaults and checks the operator's caps, so the GPU never sees a request it would reject.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +12,13 @@ import math
 import secrets
 import uuid
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from shared.config import get_settings
-from shared.spec import frames_for
+from shared.config import Settings
+from shared.errors import InvalidRequest
+from shared.spec import Dimension, Fps, GenerationSpec, GuidanceScale, Prompt, Seed, Steps, Text, frames_for
 from shared.webhooks.urls import validate_webhook_url
 
 # Presets are landscape; 1080p is 1088 high because Wan needs multiples of 16.
@@ -29,28 +33,24 @@ MetadataValue = str | int | float | bool | None
 
 
 class JobCreate(BaseModel):
+    """``POST /v1/jobs``: the spec's fields, with a duration instead of a frame count, a resolution preset as an
+    alternative to width/height, and defaults; plus where to send the webhook and the caller's metadata."""
+
     model_config = ConfigDict(extra="forbid", str_strip_whitespace=True)
 
-    prompt: Annotated[str, Field(min_length=1)]
-    negative_prompt: str = ""
-    duration_s: Annotated[float, Field(gt=0)] = 1.0
-    fps: int = 16
-    width: int | None = None
-    height: int | None = None
+    prompt: Prompt
+    negative_prompt: Text = ""
+    duration_s: float = Field(default=1.0, gt=0, allow_inf_nan=False)
+    fps: Fps = 16
+    width: Dimension | None = None
+    height: Dimension | None = None
     resolution: Literal["240p", "480p", "720p", "1080p"] | None = None
-    steps: Annotated[int, Field(ge=1)] = 20
-    guidance_scale: Annotated[float, Field(ge=0)] = 5.0
-    seed: Annotated[int, Field(ge=0, le=2**32 - 1)] | None = None
+    steps: Steps = 20
+    guidance_scale: GuidanceScale = 5.0
+    seed: Seed | None = None
     model: str | None = None
     webhook_url: str | None = None
     metadata: dict[str, MetadataValue] = Field(default_factory=dict)
-
-    @field_validator("prompt", "negative_prompt")
-    @classmethod
-    def _text(cls, v: str) -> str:
-        if "\x00" in v:  # Postgres text cannot hold NUL
-            raise ValueError("text must not contain NUL characters")
-        return v
 
     @field_validator("metadata")
     @classmethod
@@ -67,52 +67,76 @@ class JobCreate(BaseModel):
     @field_validator("webhook_url")
     @classmethod
     def _webhook(cls, v: str | None) -> str | None:
-        return None if v is None else validate_webhook_url(v, allow_private=get_settings().webhook_allow_private)
+        # The URL's shape here; whether its host may be private depends on settings (to_spec).
+        return None if v is None else validate_webhook_url(v)
 
-    @model_validator(mode="after")
-    def _caps(self) -> JobCreate:
-        s = get_settings()
-        if len(self.prompt) > s.max_prompt_chars:
-            raise ValueError(f"prompt is longer than {s.max_prompt_chars} characters")
-        if len(self.negative_prompt) > s.max_prompt_chars:
-            raise ValueError(f"negative_prompt is longer than {s.max_prompt_chars} characters")
-        if self.duration_s > s.max_duration_s:
-            raise ValueError(f"duration_s must be at most {s.max_duration_s}")
-        if not s.min_fps <= self.fps <= s.max_fps:
-            raise ValueError(f"fps must be between {s.min_fps} and {s.max_fps}")
-        if self.resolution is not None and (self.width is not None or self.height is not None):
-            raise ValueError("give either resolution or width/height, not both")
-        if (self.width is None) != (self.height is None):
-            raise ValueError("width and height go together")
-        if self.width is None:
-            self.width, self.height = RESOLUTION_PRESETS[self.resolution or "480p"]
-        assert self.height is not None
-        if self.width % 16 or self.height % 16:
-            raise ValueError("width and height must be multiples of 16")
-        if not (16 <= self.width <= s.max_width and 16 <= self.height <= s.max_height):
-            raise ValueError(f"width must be 16..{s.max_width} and height 16..{s.max_height}")
-        if self.width * self.height > s.max_pixels:
-            raise ValueError(f"width × height must be at most {s.max_pixels} pixels")
-        if self.num_frames > s.max_frames:
-            raise ValueError(f"duration_s × fps gives {self.num_frames} frames; at most {s.max_frames}")
-        if self.steps > s.max_steps:
-            raise ValueError(f"steps must be at most {s.max_steps}")
-        if self.guidance_scale > s.max_guidance_scale:
-            raise ValueError(f"guidance_scale must be at most {s.max_guidance_scale}")
-        model = self.model or s.default_model
-        if model not in s.models_allowed:
-            raise ValueError(f"model must be one of {s.models_allowed}")
-        self.model = model
-        if len(json.dumps(self.metadata)) > s.max_metadata_bytes:
-            raise ValueError(f"metadata must be at most {s.max_metadata_bytes} bytes of JSON")
-        return self
+    def to_spec(self, settings: Settings) -> GenerationSpec:
+        """Resolve defaults (resolution, model, seed) and check the operator's caps. Raises InvalidRequest (422)."""
+        problems = self._cap_violations(settings)
+        if problems:
+            raise InvalidRequest("; ".join(problems), details=[{"msg": p} for p in problems])
+        width, height = self.size()
+        return GenerationSpec(
+            model=self.model or settings.default_model,
+            prompt=self.prompt,
+            negative_prompt=self.negative_prompt,
+            width=width,
+            height=height,
+            num_frames=self.num_frames,
+            fps=self.fps,
+            steps=self.steps,
+            guidance_scale=self.guidance_scale,
+            seed=self.seed if self.seed is not None else secrets.randbelow(2**32),
+        )
+
+    def size(self) -> tuple[int, int]:
+        if self.width is not None and self.height is not None:
+            return self.width, self.height
+        return RESOLUTION_PRESETS[self.resolution or "480p"]
 
     @property
     def num_frames(self) -> int:
         return frames_for(self.duration_s, self.fps)
 
-    def resolved_seed(self) -> int:
-        return self.seed if self.seed is not None else secrets.randbelow(2**32)
+    def _cap_violations(self, s: Settings) -> list[str]:
+        if self.resolution is not None and (self.width is not None or self.height is not None):
+            return ["give either resolution or width/height, not both"]
+        if (self.width is None) != (self.height is None):
+            return ["width and height go together"]
+        width, height = self.size()
+        model = self.model or s.default_model
+        checks = [
+            (len(self.prompt) > s.max_prompt_chars, f"prompt is longer than {s.max_prompt_chars} characters"),
+            (
+                len(self.negative_prompt) > s.max_prompt_chars,
+                f"negative_prompt is longer than {s.max_prompt_chars} characters",
+            ),
+            (self.duration_s > s.max_duration_s, f"duration_s must be at most {s.max_duration_s}"),
+            (not s.min_fps <= self.fps <= s.max_fps, f"fps must be between {s.min_fps} and {s.max_fps}"),
+            (
+                not (width <= s.max_width and height <= s.max_height),
+                f"width must be 16..{s.max_width} and height 16..{s.max_height}",
+            ),
+            (width * height > s.max_pixels, f"width × height must be at most {s.max_pixels} pixels"),
+            (
+                self.num_frames > s.max_frames,
+                f"duration_s × fps gives {self.num_frames} frames; at most {s.max_frames}",
+            ),
+            (self.steps > s.max_steps, f"steps must be at most {s.max_steps}"),
+            (self.guidance_scale > s.max_guidance_scale, f"guidance_scale must be at most {s.max_guidance_scale}"),
+            (model not in s.models_allowed, f"model must be one of {s.models_allowed}"),
+            (
+                len(json.dumps(self.metadata)) > s.max_metadata_bytes,
+                f"metadata must be at most {s.max_metadata_bytes} bytes of JSON",
+            ),
+        ]
+        problems = [message for failed, message in checks if failed]
+        if self.webhook_url is not None:
+            try:
+                validate_webhook_url(self.webhook_url, allow_private=s.webhook_allow_private)
+            except ValueError as exc:
+                problems.append(str(exc))
+        return problems
 
     def fingerprint(self) -> str:
         """What makes two submissions 'the same request' for Idempotency-Key (the body as sent, canonical)."""
@@ -174,20 +198,12 @@ class OutputOut(BaseModel):
     height: int
 
 
-class JobOut(BaseModel):
+class JobOut(GenerationSpec):
+    """A job as the API shows it: its spec's fields, then its state."""
+
     id: uuid.UUID
     status: str
-    model: str
-    prompt: str
-    negative_prompt: str
-    width: int
-    height: int
-    num_frames: int
-    fps: int
     duration_s: float
-    steps: int
-    guidance_scale: float
-    seed: int
     score: ScoreOut
     priority_class: str
     queue: str

@@ -19,22 +19,12 @@ from shared.spec import GenerationSpec
 from shared.states import JobStatus
 
 
-def create_job(session: Session, settings: Settings, *, tenant: Tenant, body: JobCreate) -> Job:
-    """Insert the job row (flush only; the caller commits, then sends)."""
-    assert body.width is not None and body.height is not None and body.model is not None
-    spec = GenerationSpec(
-        model=body.model,
-        prompt=body.prompt,
-        negative_prompt=body.negative_prompt,
-        width=body.width,
-        height=body.height,
-        num_frames=body.num_frames,
-        fps=body.fps,
-        steps=body.steps,
-        guidance_scale=body.guidance_scale,
-        seed=body.resolved_seed(),
-    )
-    score = score_job(settings, prompt=body.prompt, width=body.width, height=body.height, duration_s=body.duration_s)
+def create_job(
+    session: Session, settings: Settings, *, tenant: Tenant, body: JobCreate, spec: GenerationSpec | None = None
+) -> Job:
+    """Insert the job row (flush only; the caller registers the send and commits)."""
+    spec = spec or body.to_spec(settings)
+    score = score_job(settings, prompt=spec.prompt, width=spec.width, height=spec.height, duration_s=body.duration_s)
     job = Job(
         id=uuid.uuid4(),
         tenant_id=tenant.id,
@@ -68,14 +58,15 @@ def submit(
 ) -> tuple[Job, bool]:
     """Returns (job, created). With an Idempotency-Key, the same key and body return the first job; the same key
     with another body is refused. The key row and the job row commit together."""
+    spec = body.to_spec(settings)  # a body over the caps is refused before anything is looked up or written
     if idempotency_key is None:
-        return create_job(session, settings, tenant=tenant, body=body), True
+        return create_job(session, settings, tenant=tenant, body=body, spec=spec), True
     if not 1 <= len(idempotency_key) <= 200:
         raise InvalidRequest("Idempotency-Key must be 1..200 characters")
     fingerprint = body.fingerprint()
     existing = _live_key(session, tenant_id=tenant.id, key=idempotency_key)
     if existing is None:
-        job = create_job(session, settings, tenant=tenant, body=body)
+        job = create_job(session, settings, tenant=tenant, body=body, spec=spec)
         inserted = session.execute(
             pg_insert(IdempotencyKey)
             .values(

@@ -33,7 +33,8 @@ import torch
 import transformers
 
 from shared.render.pipeline import VideoPipeline
-from shared.render.registry import WAN21_13B_ARCH, build_pipeline, resolve_device
+from shared.render.precision import dtype_name, resolve_device
+from shared.render.registry import WAN21_13B_ARCH, build_pipeline
 from shared.render.video import encode_mp4, probe
 from shared.spec import GenerationSpec
 
@@ -112,7 +113,7 @@ def machine() -> dict[str, Any]:
         "gpu_memory_gib": round(props.total_memory / GIB, 1),
         "compute_capability": f"{props.major}.{props.minor}",
         "cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version(),  # type: ignore[no-untyped-call]
+        "cudnn": torch.backends.cudnn.version(),  # type: ignore[no-untyped-call,unused-ignore]  # typed in newer torch
         "python": platform.python_version(),
     }
     for module in (torch, diffusers, transformers, tokenizers, av, np):
@@ -201,8 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         "command": shlex.join(sys.orig_argv),
         "machine": host,
         "spec": spec.to_dict(),
-        "dtype": str(dtype).removeprefix("torch."),
-        "vae_dtype": str(pipe.vae.dtype).removeprefix("torch."),
+        "dtype": dtype_name(dtype),
+        "vae_dtype": dtype_name(pipe.vae.dtype),
         "warmup_runs": args.warmup,
         "build_s": build_s,
         "vidq_s_per_video": vidq_total,

@@ -22,7 +22,8 @@ import torch
 
 from benchmarks.gpu_pipeline import machine
 from shared.render.pipeline import VideoPipeline
-from shared.render.registry import WAN21_13B_ARCH, build_pipeline, resolve_device
+from shared.render.precision import resolve_device
+from shared.render.registry import WAN21_13B_ARCH, build_pipeline
 from shared.spec import GenerationSpec
 
 SHAPES = [(480, 832, 33), (480, 832, 81), (720, 1280, 33), (720, 1280, 81)]
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         row["vram_vs_ref"] = round(row["peak_reserved_gib"] / ref["peak_reserved_gib"], 2)
         row["step_time_vs_ref"] = round(row["s_per_step"] / ref["s_per_step"], 2)
-    report = {
+    report: dict[str, Any] = {
         "benchmark": "gpu_sizing",
         "model": WAN21_13B_ARCH,
         "dtype": "bfloat16 (VAE float32)",

@@ -51,9 +51,9 @@ def _init_main(**_: Any) -> None:
 def _init_child(**_: Any) -> None:
     dispose_engines()  # never share a parent's sockets across fork
     for model in settings.worker_preload_models:
-        from shared.render.registry import get_pipeline
+        from shared.render.registry import pipeline_for
 
-        get_pipeline(model)
+        pipeline_for(model, settings)
         log.info("pipeline loaded", extra={"model": model})
 
 

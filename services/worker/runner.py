@@ -115,12 +115,12 @@ def _render_and_store(
     tenant_id: str,
     job_id: uuid.UUID,
 ) -> dict[str, object]:
-    from shared.render.registry import get_pipeline
+    from shared.render.registry import pipeline_for
     from shared.render.video import encode_mp4, write_poster
 
     # 2. Render (the pipeline is loaded once per process and kept warm); on_step reports progress and stops
     #    the denoising loop at the next step when the job is cancelled.
-    pipeline = get_pipeline(spec.model)
+    pipeline = pipeline_for(spec.model, settings)
     result = pipeline.generate(spec, on_step=lease.on_step)
     lease.check()
     timings: dict[str, float] = {k: round(v, 4) for k, v in result.timings_s.items()}

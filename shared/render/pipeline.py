@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline  # the root re-exports a placeholder to mypy
 
+from shared.render.precision import dtype_name
 from shared.spec import GenerationSpec
 
 StepCallback = Callable[[int, int], None]
@@ -85,7 +86,7 @@ class VideoPipeline:
             timings_s=timings,
             peak_vram_bytes=torch.cuda.max_memory_allocated(self.device) if cuda else None,
             device=str(self.device),
-            dtype=str(self.dtype).removeprefix("torch."),
+            dtype=dtype_name(self.dtype),
         )
 
     def _render(

@@ -1,4 +1,4 @@
-"""Worker tests build every model in process: no test may reach a model hub."""
+"""Render tests build every model in process: no test may reach a model hub."""
 
 from __future__ import annotations
 

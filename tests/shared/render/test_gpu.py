@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from shared.render.pipeline import VideoPipeline
-from shared.render.registry import TINY_WAN, build_pipeline, resolve_device
+from shared.render.precision import resolve_device
+from shared.render.registry import TINY_WAN, build_pipeline
 from shared.spec import GenerationSpec
 
 pytestmark = [

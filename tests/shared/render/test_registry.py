@@ -1,4 +1,4 @@
-"""The model registry and VideoPipeline on the tiny Wan pipeline (CPU, float32, random weights: noise)."""
+"""The model registry, its parts and VideoPipeline on the tiny Wan pipeline (CPU, float32, random weights: noise)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,18 @@ import torch
 from diffusers import WanPipeline
 
 from shared.render.pipeline import PermanentRenderError, RenderResult, VideoPipeline
-from shared.render.registry import TINY_WAN, build_pipeline, build_tokenizer, get_pipeline, resolve_device
+from shared.render.precision import resolve_device
+from shared.render.registry import (
+    LOCAL,
+    TINY_WAN,
+    PipelineKey,
+    build_pipeline,
+    get_pipeline,
+    pipeline_for,
+    pipeline_key,
+)
 from shared.render.registry import clear_cache as clear_pipeline_cache
+from shared.render.tokenizer import build_tokenizer
 from shared.spec import GenerationSpec
 
 CPU = torch.device("cpu")
@@ -105,9 +115,26 @@ def test_matches_a_plain_diffusers_call(tiny: VideoPipeline, reference: RenderRe
     assert np.array_equal(plain, reference.frames)
 
 
-def test_without_guidance_no_negative_prompt_is_encoded(tiny: VideoPipeline) -> None:
-    result = tiny.generate(make_spec(guidance_scale=1.0, steps=2))
+def test_without_guidance_no_negative_prompt_is_encoded(tiny: VideoPipeline, monkeypatch: pytest.MonkeyPatch) -> None:
+    encoded: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+    encode_prompt = tiny.pipe.encode_prompt
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        encoded.append(out := encode_prompt(*args, **kwargs))
+        return out
+
+    batches: list[int] = []  # one entry per forward pass of the text encoder: its batch size
+    monkeypatch.setattr(tiny.pipe, "encode_prompt", spy)
+    hook = tiny.pipe.text_encoder.register_forward_hook(lambda _m, args, _out: batches.append(args[0].shape[0]))
+    try:
+        result = tiny.generate(make_spec(guidance_scale=1.0, steps=2))
+    finally:
+        hook.remove()
     assert result.frames.shape == (9, 64, 64, 3)
+    assert batches == [1]  # the prompt alone; with guidance a second pass encodes the negative prompt
+    prompt_embeds, negative_embeds = encoded[0]  # later calls (the pipeline's own) get embeddings, encode nothing
+    assert prompt_embeds.shape[0] == 1
+    assert negative_embeds is None
 
 
 def test_on_step_reports_every_step(tiny: VideoPipeline) -> None:
@@ -182,22 +209,47 @@ def test_registry_loads_a_saved_pipeline_from_a_local_folder(
 
 def test_local_model_needs_a_folder() -> None:
     with pytest.raises(ValueError, match="model_dir"):
-        build_pipeline("local", device=CPU, dtype=torch.float32)
+        build_pipeline(LOCAL, device=CPU, dtype=torch.float32)
 
 
 def test_resolve_device_on_cpu() -> None:
-    assert resolve_device("cpu") == (CPU, torch.float32)
+    assert resolve_device("cpu", cuda_dtype="bfloat16") == (CPU, torch.float32)
     if not torch.cuda.is_available():
-        assert resolve_device(None) == (CPU, torch.float32)
+        assert resolve_device(None, cuda_dtype="bfloat16") == (CPU, torch.float32)
         with pytest.raises(RuntimeError, match="CUDA"):
-            resolve_device("cuda")
+            resolve_device("cuda", cuda_dtype="bfloat16")
 
 
-def test_get_pipeline_builds_once_per_process() -> None:
+def test_pipeline_key_names_model_precision_and_device() -> None:
+    key = pipeline_key(TINY_WAN, device_pref="cpu", cuda_dtype="float16")
+    assert key == PipelineKey(model=TINY_WAN, precision="float32", device="cpu")  # the CPU computes in fp32
+    assert (key.torch_device, key.dtype) == (CPU, torch.float32)
+    assert len({key, PipelineKey(TINY_WAN, "float32", "cpu"), PipelineKey(TINY_WAN, "bfloat16", "cpu")}) == 2
+    with pytest.raises(ValueError, match="compute dtype"):
+        PipelineKey(TINY_WAN, "fp8", "cpu")
+
+
+def test_get_pipeline_builds_once_per_key() -> None:
     clear_pipeline_cache()
     try:
-        first = get_pipeline(TINY_WAN)
-        assert get_pipeline(TINY_WAN) is first
-        assert first.model == TINY_WAN
+        first = get_pipeline(PipelineKey(TINY_WAN, "float32", "cpu"))
+        assert get_pipeline(PipelineKey(TINY_WAN, "float32", "cpu")) is first
+        assert (first.model, first.device, first.dtype) == (TINY_WAN, CPU, torch.float32)
+        other = get_pipeline(PipelineKey(TINY_WAN, "bfloat16", "cpu"))
+        assert other is not first and other.pipe.transformer.dtype == torch.bfloat16
+    finally:
+        clear_pipeline_cache()
+
+
+def test_pipeline_for_reads_only_the_settings_it_is_given(tmp_path: Path) -> None:
+    class Settings:  # no get_settings() anywhere: what the entry point passes is all the registry sees
+        device = "cpu"
+        cuda_dtype = "bfloat16"
+        model_dir = str(tmp_path / "not-a-pipeline")  # read for "local" only
+
+    clear_pipeline_cache()
+    try:
+        pipe = pipeline_for(TINY_WAN, Settings())
+        assert pipe is get_pipeline(PipelineKey(TINY_WAN, "float32", "cpu"))
     finally:
         clear_pipeline_cache()

@@ -1,0 +1,141 @@
+"""The built-in architectures, built from configs with seeded random weights (no download; DESIGN.md section 4).
+
+* ``build_tiny_wan``: a real ``WanPipeline`` from tiny configs (the sizes of diffusers' own Wan pipeline tests).
+  It renders noise, not video; it exists so tests, CI and the CPU demo run the real pipeline code end to end in
+  well under a second.
+* ``build_wan21_13b_arch``: the Wan2.1-T2V-1.3B architecture at full size. It renders noise too, but its compute
+  and memory cost are the real model's, which is what benchmarks need.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# From their own modules: to a type checker the package root re-exports placeholder classes.
+from diffusers.models.autoencoders.autoencoder_kl_wan import AutoencoderKLWan
+from diffusers.models.transformers.transformer_wan import WanTransformer3DModel
+from diffusers.pipelines.wan.pipeline_wan import WanPipeline
+from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
+from diffusers.schedulers.scheduling_unipc_multistep import UniPCMultistepScheduler
+from diffusers.schedulers.scheduling_utils import SchedulerMixin
+from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
+
+from shared.render.precision import cast_like_from_pretrained, materialise_on, text_encoder_fp32_modules
+from shared.render.tokenizer import build_tokenizer
+
+
+def build_tiny_wan(*, device: torch.device, dtype: torch.dtype) -> WanPipeline:
+    """Tiny Wan with seeded random weights (sizes of diffusers' own Wan pipeline tests). It renders noise."""
+    tokenizer = build_tokenizer()
+    # Built on the CPU in fp32 with a seed before each module, so the weights are the same on every machine.
+    with materialise_on(torch.device("cpu"), torch.float32):
+        torch.manual_seed(0)
+        vae = AutoencoderKLWan(
+            base_dim=3,
+            z_dim=16,
+            dim_mult=[1, 1, 1, 1],
+            num_res_blocks=1,
+            temperal_downsample=[False, True, True],
+        )
+        torch.manual_seed(0)
+        text_encoder = UMT5EncoderModel(
+            UMT5Config(
+                vocab_size=len(tokenizer),
+                d_model=32,  # must equal the transformer's text_dim
+                d_kv=8,
+                d_ff=37,
+                num_layers=2,
+                num_heads=4,
+                relative_attention_num_buckets=8,
+                dropout_rate=0.0,
+            )
+        )
+        torch.manual_seed(0)
+        transformer = WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=2,
+            attention_head_dim=12,
+            in_channels=16,
+            out_channels=16,
+            text_dim=32,
+            freq_dim=256,
+            ffn_dim=32,
+            num_layers=2,
+            cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads",
+            rope_max_seq_len=32,
+        )
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=7.0)
+    return _assemble(tokenizer, text_encoder, transformer, vae, scheduler, device=device, dtype=dtype)
+
+
+def build_wan21_13b_arch(*, device: torch.device, dtype: torch.dtype) -> WanPipeline:
+    """Wan2.1-T2V-1.3B at full size with random weights: the real model's cost, noise for output."""
+    # Materialise straight on the target device in the target dtype: the 5.7B-parameter UMT5-XXL encoder would
+    # need 23 GB of host RAM in fp32 first, and a host-to-device copy of it costs more than the GPU init does.
+    with materialise_on(device, dtype):
+        torch.manual_seed(0)
+        text_encoder = UMT5EncoderModel(
+            UMT5Config(
+                vocab_size=256384,
+                d_model=4096,
+                d_kv=64,
+                d_ff=10240,
+                num_layers=24,
+                num_heads=64,
+                relative_attention_num_buckets=32,
+                relative_attention_max_distance=128,
+                feed_forward_proj="gated-gelu",
+                dropout_rate=0.0,
+            )
+        )
+        torch.manual_seed(0)
+        transformer = WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=12,
+            attention_head_dim=128,
+            in_channels=16,
+            out_channels=16,
+            text_dim=4096,
+            freq_dim=256,
+            ffn_dim=8960,
+            num_layers=30,
+            cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads",
+            eps=1e-6,
+        )
+    with materialise_on(device, torch.float32):
+        torch.manual_seed(0)
+        vae = AutoencoderKLWan()
+    scheduler = UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000, flow_shift=3.0
+    )
+    return _assemble(build_tokenizer(), text_encoder, transformer, vae, scheduler, device=device, dtype=dtype)
+
+
+def _assemble(
+    tokenizer: PreTrainedTokenizerFast,
+    text_encoder: UMT5EncoderModel,
+    transformer: WanTransformer3DModel,
+    vae: AutoencoderKLWan,
+    scheduler: SchedulerMixin,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> WanPipeline:
+    # The precision from_pretrained(dtype=...) would give a real checkpoint: dtype, except the modules each
+    # library lists as fp32-only. The VAE is left in the fp32 it was built in (see registry.build_pipeline).
+    cast_like_from_pretrained(transformer, dtype, keep_fp32=WanTransformer3DModel._keep_in_fp32_modules or ())
+    cast_like_from_pretrained(text_encoder, dtype, keep_fp32=text_encoder_fp32_modules(text_encoder, dtype))
+    pipe = WanPipeline(
+        tokenizer=tokenizer,  # type: ignore[arg-type]  # annotated AutoTokenizer, takes any tokenizer
+        text_encoder=text_encoder,
+        vae=vae,
+        scheduler=scheduler,  # type: ignore[arg-type]  # annotated FlowMatchEuler, takes any scheduler
+        transformer=transformer,
+    )
+    pipe.to(device)
+    for module in (text_encoder, transformer, vae):
+        module.eval()  # modules built by hand start in training mode (dropout on); from_pretrained ones don't
+    pipe.set_progress_bar_config(disable=True)  # progress goes through on_step
+    return pipe

@@ -10,7 +10,7 @@ Each tick, under a Postgres advisory lock (so any number of API replicas can run
    dropped by whichever worker meets it later (the job is no longer ``queued`` then);
 4. expired idempotency keys are deleted;
 5. finished jobs with a webhook but no delivery attempt on record are handed to the webhook queue again.
-Messages are sent only after the tick's transaction commits.
+Messages are registered in the tick's transaction and sent after it commits (shared/dispatch.py).
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from celery import Celery
 from sqlalchemy import delete, exists, func, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
+from shared.celery_app import VidqCelery
 from shared.config import Settings
-from shared.dispatch import enqueue, send_webhook
+from shared.dispatch import send_job_after_commit, send_webhook_after_commit
 from shared.models import IdempotencyKey, Job, WebhookDelivery
 from shared.queues import PriorityClass, Queue
 from shared.states import TERMINAL, JobStatus, expired_leases, recover_expired, unsent_or_lost
@@ -47,10 +47,6 @@ class SweepReport:
     skipped: bool = False
 
 
-def queue_for_class(cls: str) -> str:
-    return PriorityClass(cls).queue.value
-
-
 def _promote_due(session: Session, *, now: datetime, after_s: float) -> list[Job]:
     return list(
         session.execute(
@@ -67,10 +63,10 @@ def _promote_due(session: Session, *, now: datetime, after_s: float) -> list[Job
     )
 
 
-def _webhooks_due(session: Session, *, now: datetime, grace_s: float) -> list[uuid.UUID]:
+def _webhooks_due(session: Session, *, now: datetime, grace_s: float) -> list[Job]:
     return list(
         session.execute(
-            select(Job.id)
+            select(Job)
             .where(
                 Job.status.in_([s.value for s in TERMINAL]),
                 Job.webhook_url.is_not(None),
@@ -84,7 +80,7 @@ def _webhooks_due(session: Session, *, now: datetime, grace_s: float) -> list[uu
 
 
 class Sweeper:
-    def __init__(self, settings: Settings, *, celery: Celery, sessions: sessionmaker[Session]) -> None:
+    def __init__(self, settings: Settings, *, celery: VidqCelery, sessions: sessionmaker[Session]) -> None:
         self.settings = settings
         self.celery = celery
         self.sessions = sessions
@@ -92,7 +88,6 @@ class Sweeper:
     def sweep_once(self) -> SweepReport:
         s = self.settings
         report = SweepReport()
-        to_send: list[tuple[uuid.UUID, str]] = []
         with self.sessions() as session, session.begin():
             if not session.execute(text("SELECT pg_try_advisory_xact_lock(:k)"), {"k": _LOCK_KEY}).scalar():
                 report.skipped = True
@@ -104,25 +99,23 @@ class Sweeper:
                     continue
                 if after.status == JobStatus.QUEUED.value:
                     report.requeued.append(after.id)
-                    to_send.append((after.id, after.queue))
+                    send_job_after_commit(session, self.celery, after)
                 else:
                     report.failed.append(after.id)
+                    send_webhook_after_commit(session, self.celery, after)
             for job in unsent_or_lost(session, now=now, grace_s=s.enqueue_grace_s, resend_s=s.queued_resend_s):
                 if job.id not in report.requeued:
                     report.resent.append(job.id)
-                    to_send.append((job.id, job.queue))
+                    send_job_after_commit(session, self.celery, job)
             for job in _promote_due(session, now=now, after_s=s.aging_promote_after_s):
                 current = PriorityClass(job.queue.removeprefix("video."))
                 report.promoted.append(job.id)
-                to_send.append((job.id, current.promoted().queue.value))
+                send_job_after_commit(session, self.celery, job, queue=current.promoted().queue.value)
             expired = session.execute(delete(IdempotencyKey).where(IdempotencyKey.expires_at < now))
             report.keys_expired = int(getattr(expired, "rowcount", 0) or 0)
-            report.webhooks = _webhooks_due(session, now=now, grace_s=s.webhook_resend_grace_s)
-        # After commit: send, then record the send.
-        for job_id, queue in to_send:
-            enqueue(self.celery, self.settings, job_id=job_id, queue=queue)
-        for job_id in report.failed + report.webhooks:
-            send_webhook(self.celery, job_id=job_id)
+            for job in _webhooks_due(session, now=now, grace_s=s.webhook_resend_grace_s):
+                report.webhooks.append(job.id)
+                send_webhook_after_commit(session, self.celery, job)
         if any((report.requeued, report.failed, report.resent, report.promoted, report.webhooks)):
             log.info(
                 "sweep",

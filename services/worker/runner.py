@@ -11,7 +11,6 @@ import time
 import uuid
 from pathlib import Path
 
-from celery import Celery
 from celery.exceptions import SoftTimeLimitExceeded
 from minio.error import S3Error
 from sqlalchemy.exc import OperationalError
@@ -19,9 +18,10 @@ from urllib3.exceptions import HTTPError as Urllib3Error
 
 from services.worker.heartbeat import Lease
 from services.worker.metrics import BUSY, FAILURES, JOBS, QUEUE_WAIT, STAGE_SECONDS
+from shared.celery_app import VidqCelery
 from shared.config import Settings
 from shared.db import session_scope
-from shared.dispatch import enqueue, send_webhook
+from shared.dispatch import send_job_after_commit, send_webhook_after_commit
 from shared.errors import JobCancelled, LeaseLost
 from shared.spec import GenerationSpec
 from shared.states import cancelled_by_worker, claim, fail, release_for_retry, succeed
@@ -34,14 +34,14 @@ def worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
-def run_job(job_id: uuid.UUID, *, settings: Settings, celery: Celery, storage: Storage) -> str:
+def run_job(job_id: uuid.UUID, *, settings: Settings, celery: VidqCelery, storage: Storage) -> str:
     """Returns what happened ("succeeded", "dropped", "cancelled", "failed", …) for logs, metrics and tests."""
     outcome = _run_job(job_id, settings=settings, celery=celery, storage=storage)
     JOBS.labels(outcome).inc()
     return outcome
 
 
-def _run_job(job_id: uuid.UUID, *, settings: Settings, celery: Celery, storage: Storage) -> str:
+def _run_job(job_id: uuid.UUID, *, settings: Settings, celery: VidqCelery, storage: Storage) -> str:
     ctx = {"job_id": str(job_id)}
     # 1. Claim: the conditional UPDATE makes a redelivered or duplicate message a no-op.
     with session_scope(settings) as session:
@@ -64,15 +64,17 @@ def _run_job(job_id: uuid.UUID, *, settings: Settings, celery: Celery, storage: 
         # 5. Finalize only with our fencing token: a stale attempt changes nothing.
         with session_scope(settings) as session:
             done = succeed(session, job_id, token=token, output=outcome)
+            if done is not None:
+                send_webhook_after_commit(session, celery, done)
         if done is None:
             log.warning("finalize refused: fencing token is stale", extra=ctx)
             return "stale"
-        send_webhook(celery, job_id=job_id)
         return "succeeded"
     except JobCancelled:
         with session_scope(settings) as session:
-            cancelled_by_worker(session, job_id, token=token)
-        send_webhook(celery, job_id=job_id)
+            cancelled = cancelled_by_worker(session, job_id, token=token)
+            if cancelled is not None:
+                send_webhook_after_commit(session, celery, cancelled)
         log.info("cancelled at a denoising step", extra=ctx)
         return "cancelled"
     except LeaseLost:
@@ -85,9 +87,9 @@ def _run_job(job_id: uuid.UUID, *, settings: Settings, celery: Celery, storage: 
         log.warning("transient failure", extra={**ctx, "error": repr(exc)})
         with session_scope(settings) as session:
             released = release_for_retry(session, job_id, token=token, reason=f"transient: {type(exc).__name__}")
-            queue = released.queue if released else None
-        if queue is not None:
-            enqueue(celery, settings, job_id=job_id, queue=queue)
+            if released is not None:
+                send_job_after_commit(session, celery, released)
+        if released is not None:
             return "retrying"
         return _fail(settings, celery, job_id=job_id, token=token, code="transient_exhausted", message=repr(exc))
     except Exception as exc:
@@ -98,11 +100,12 @@ def _run_job(job_id: uuid.UUID, *, settings: Settings, celery: Celery, storage: 
         return _fail(settings, celery, job_id=job_id, token=token, code=code, message=f"{exc}")
 
 
-def _fail(settings: Settings, celery: Celery, *, job_id: uuid.UUID, token: int, code: str, message: str) -> str:
+def _fail(settings: Settings, celery: VidqCelery, *, job_id: uuid.UUID, token: int, code: str, message: str) -> str:
     FAILURES.labels(code).inc()
     with session_scope(settings) as session:
-        fail(session, job_id, token=token, code=code, message=message)
-    send_webhook(celery, job_id=job_id)
+        failed = fail(session, job_id, token=token, code=code, message=message)
+        if failed is not None:
+            send_webhook_after_commit(session, celery, failed)
     return "failed"
 
 

@@ -11,7 +11,7 @@ from sqlalchemy import select
 from services.api import jobs_service
 from services.api.deps import SessionDep, SettingsDep, TenantDep
 from services.api.metrics import SUBMITS
-from shared.dispatch import enqueue, send_webhook
+from shared.dispatch import send_job_after_commit, send_webhook_after_commit
 from shared.models import WebhookDelivery
 from shared.presenters import present_job
 from shared.schemas import ERROR_RESPONSES, JobCreate, JobOut, JobPage, WebhookDeliveryOut
@@ -31,11 +31,11 @@ def submit_job(
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
 ) -> JobOut:
     job, created = jobs_service.submit(session, settings, tenant=tenant, body=body, idempotency_key=idempotency_key)
-    # Enqueued iff committed: the row (and idempotency key) commit before the message is sent.
-    session.commit()
+    if created:
+        send_job_after_commit(session, request.app.state.celery, job)
+    session.commit()  # the row and its idempotency key; the message follows the commit
     if created:
         SUBMITS.labels(priority_class=job.priority_class).inc()
-        enqueue(request.app.state.celery, settings, job_id=job.id, queue=job.queue)
     else:
         response.headers["Idempotent-Replayed"] = "true"
     response.headers["Location"] = f"/v1/jobs/{job.id}"
@@ -72,9 +72,8 @@ def cancel_job(
     job_id: uuid.UUID, request: Request, session: SessionDep, settings: SettingsDep, tenant: TenantDep
 ) -> JobOut:
     job = request_cancel(session, job_id, tenant_id=tenant.id)
+    send_webhook_after_commit(session, request.app.state.celery, job)  # when the cancel finished it
     session.commit()
-    if job.status == JobStatus.CANCELLED.value and job.webhook_url:
-        send_webhook(request.app.state.celery, job_id=job.id)
     return present_job(job, settings=settings, storage=request.app.state.storage)
 
 

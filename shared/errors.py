@@ -1,5 +1,6 @@
 """One error hierarchy: each error carries an HTTP status and a stable code; the API renders all of them as
-``{"error": {"code", "message", "details"}}``. Workers use ``transient`` to decide between retry and fail."""
+``{"error": {"code", "message", "details"}}``. (Workers tell transient from permanent failures by exception type:
+services/worker/runner.py.)"""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ from typing import Any
 class VidqError(Exception):
     status_code = 500
     code = "internal_error"
-    transient = False
 
     def __init__(self, message: str, *, details: Any = None) -> None:
         super().__init__(message)
@@ -49,12 +49,6 @@ class InvalidTransition(Conflict):
     code = "invalid_transition"
 
 
-class DependencyUnavailable(VidqError):
-    status_code = 503
-    code = "dependency_unavailable"
-    transient = True
-
-
 class JobCancelled(VidqError):
     """Raised inside a render when the job was cancelled; stops the denoising loop."""
 
@@ -67,12 +61,3 @@ class LeaseLost(VidqError):
 
     status_code = 409
     code = "lease_lost"
-
-
-class RenderFailed(VidqError):
-    code = "render_failed"
-
-
-class InvalidForModel(VidqError):
-    status_code = 422
-    code = "invalid_for_model"

@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from typing import Annotated
 
 from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
 from shared.config import Settings
@@ -29,12 +30,16 @@ SessionDep = Annotated[Session, Depends(get_session)]
 SettingsDep = Annotated[Settings, Depends(get_settings_dep)]
 
 
-def get_tenant(request: Request, session: SessionDep) -> Tenant:
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not token:
+# auto_error=False: a missing or malformed header gets vidq's own 401 body, not FastAPI's default error.
+bearer = HTTPBearer(auto_error=False, description="an API key from `vidq create-key`")
+
+
+def get_tenant(
+    session: SessionDep, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
+) -> Tenant:
+    if credentials is None or not credentials.credentials.strip():
         raise Unauthorized("send an API key as 'Authorization: Bearer <key>'")
-    tenant = tenant_for_key(session, token.strip())
+    tenant = tenant_for_key(session, credentials.credentials.strip())
     if tenant is None:
         raise Unauthorized("invalid or revoked API key")
     return tenant

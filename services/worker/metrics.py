@@ -105,9 +105,7 @@ class LivenessFile(bootsteps.StartStopStep):  # type: ignore[misc]  # celery shi
 
     def __init__(self, parent: Any, **kwargs: Any) -> None:
         super().__init__(parent, **kwargs)
-        from shared.config import get_settings
-
-        settings = get_settings()
+        settings = parent.app.settings  # the VidqCelery app this worker runs
         self.path = Path(settings.worker_liveness_file)
         self.interval = max(1.0, settings.worker_liveness_max_age_s / 4)
         self.tref: Any = None

@@ -10,6 +10,7 @@ from typing import Annotated, Any
 
 import httpx
 import typer
+from httpx_sse import SSEError, connect_sse
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -22,17 +23,13 @@ def follow_events(
 ) -> dict[str, Any]:
     """Read the job's Server-Sent Events until the final ``job`` event; returns the finished job."""
     timeout = httpx.Timeout(30.0, read=max(60.0, timeout_s))
-    with http.stream("GET", f"/v1/jobs/{job_id}/events", timeout=timeout) as r:
-        r.raise_for_status()
-        event = ""
-        for line in r.iter_lines():
-            if line.startswith("event: "):
-                event = line.removeprefix("event: ")
-            elif line.startswith("data: "):
-                data = json.loads(line.removeprefix("data: "))
-                if event == "job":
-                    return dict(data)
-                on_progress(data)
+    with connect_sse(http, "GET", f"/v1/jobs/{job_id}/events", timeout=timeout) as source:
+        source.response.raise_for_status()
+        for sse in source.iter_sse():
+            if sse.event == "job":
+                return dict(sse.json())
+            if sse.event == "progress":
+                on_progress(sse.json())
     raise httpx.ReadError("event stream ended before the job finished")
 
 
@@ -70,7 +67,7 @@ def submit_and_wait(
 
             try:
                 job = follow_events(http, job["id"], on_progress=show, timeout_s=timeout_s)
-            except httpx.HTTPError:  # a proxy that buffers or cuts streams: poll instead
+            except (httpx.HTTPError, SSEError):  # a proxy that buffers, cuts or rewrites streams: poll instead
                 deadline = time.monotonic() + timeout_s
                 while job["status"] not in TERMINAL:
                     if time.monotonic() > deadline:

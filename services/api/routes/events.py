@@ -2,7 +2,8 @@
 
 Events: ``progress`` (status, step, total, percent, attempt) whenever one of them changes, then one ``job`` event
 with the whole job (as ``GET /v1/jobs/{id}`` returns it) once the job is finished, and the stream ends. A comment
-line goes out every 15 s so proxies keep the connection open.
+line goes out every 15 s so proxies keep the connection open (sse-starlette frames the events, sends the pings
+and stops the stream when the client goes away).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import StreamingResponse
+from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from services.api import jobs_service
 from services.api.deps import SessionDep, TenantDep
@@ -29,16 +30,16 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=ERROR_RESPONSES)
 KEEPALIVE_S = 15.0
 
 
-def _sse(event: str, data: dict[str, Any]) -> str:
-    return f"event: {event}\ndata: {json.dumps(data, default=str)}\n\n"
+def _event(event: str, data: dict[str, Any]) -> ServerSentEvent:
+    return ServerSentEvent(data=json.dumps(data, default=str), event=event)
 
 
 @router.get(
     "/{job_id}/events",
-    response_class=StreamingResponse,
+    response_class=EventSourceResponse,
     responses={200: {"content": {"text/event-stream": {}}, "description": "progress events, then the finished job"}},
 )
-def job_events(job_id: uuid.UUID, request: Request, session: SessionDep, tenant: TenantDep) -> StreamingResponse:
+def job_events(job_id: uuid.UUID, request: Request, session: SessionDep, tenant: TenantDep) -> EventSourceResponse:
     jobs_service.get_job(session, tenant_id=tenant.id, job_id=job_id)  # 404 before the stream starts
     settings = request.app.state.settings
     storage = request.app.state.storage
@@ -49,21 +50,18 @@ def job_events(job_id: uuid.UUID, request: Request, session: SessionDep, tenant:
             job = jobs_service.get_job(s, tenant_id=tenant_id, job_id=job_id)
             return present_job(job, settings=settings, storage=storage).model_dump(mode="json")
 
-    async def stream() -> AsyncIterator[str]:
-        started = last_sent = time.monotonic()
+    async def stream() -> AsyncIterator[ServerSentEvent]:
+        started = time.monotonic()
         last: dict[str, Any] | None = None
-        while time.monotonic() - started < settings.events_max_s and not await request.is_disconnected():
+        while time.monotonic() - started < settings.events_max_s:
             job = await run_in_threadpool(snapshot)
             progress = {"status": job["status"], "attempt": job["attempt"], **job["progress"]}
             if progress != last:
-                yield _sse("progress", progress)
-                last, last_sent = progress, time.monotonic()
+                yield _event("progress", progress)
+                last = progress
             if JobStatus(job["status"]).is_terminal():
-                yield _sse("job", job)
+                yield _event("job", job)
                 return
-            if time.monotonic() - last_sent > KEEPALIVE_S:
-                yield ": keep-alive\n\n"
-                last_sent = time.monotonic()
             await asyncio.sleep(settings.events_poll_s)
 
-    return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return EventSourceResponse(stream(), ping=KEEPALIVE_S, headers={"Cache-Control": "no-cache"})

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import urllib3
 from minio import Minio
+from minio.error import S3Error
 
 from shared.config import Settings
 
@@ -20,24 +21,60 @@ class StoredObject:
     sha256: str
 
 
+def s3_client(
+    endpoint: str,
+    *,
+    access_key: str,
+    secret_key: str,
+    secure: bool = False,
+    region: str | None = None,
+    timeout_s: float,
+    connect_timeout_s: float | None = None,
+    retries: int = 0,
+) -> Minio:
+    """A minio client whose every request gives up after ``timeout_s`` (``connect_timeout_s`` to connect, when
+    given): minio's own pool waits forever and retries for minutes. ``retries`` > 0 retries failed connections
+    and 5xx answers with a short backoff; 0 fails at once, for a probe of an endpoint that may be down."""
+    connect_s = timeout_s if connect_timeout_s is None else connect_timeout_s
+    # False rather than Retry(0): a refused connection then surfaces as itself, not wrapped in MaxRetryError.
+    retry: urllib3.Retry | bool = False
+    if retries:
+        retry = urllib3.Retry(total=retries, backoff_factor=0.2, status_forcelist=[500, 502, 503, 504])
+    http = urllib3.PoolManager(timeout=urllib3.Timeout(connect=connect_s, read=timeout_s), retries=retry, maxsize=10)
+    return Minio(endpoint, access_key=access_key, secret_key=secret_key, secure=secure, region=region, http_client=http)
+
+
 def make_client(settings: Settings, *, public: bool = False) -> Minio:
-    http = urllib3.PoolManager(
-        timeout=urllib3.Timeout(connect=5.0, read=settings.s3_timeout_s),
-        retries=urllib3.Retry(total=3, backoff_factor=0.2, status_forcelist=[500, 502, 503, 504]),
-        maxsize=10,
-    )
     endpoint, secure = settings.s3_endpoint, settings.s3_secure
     if public and settings.s3_public_endpoint:
         endpoint = settings.s3_public_endpoint
         secure = settings.s3_secure if settings.s3_public_secure is None else settings.s3_public_secure
-    return Minio(
+    return s3_client(
         endpoint,
         access_key=settings.s3_access_key,
         secret_key=settings.s3_secret_key,
         secure=secure,
         region=settings.s3_region,
-        http_client=http,
+        timeout_s=settings.s3_timeout_s,
+        connect_timeout_s=5.0,
+        retries=3,
     )
+
+
+# What S3 answers when the bucket exists already: AWS says which, other servers may say either.
+_BUCKET_EXISTS = frozenset({"BucketAlreadyOwnedByYou", "BucketAlreadyExists"})
+
+
+def ensure_bucket(client: Minio, bucket: str) -> None:
+    """Create ``bucket`` unless it exists."""
+    if client.bucket_exists(bucket):
+        return
+    try:
+        client.make_bucket(bucket)
+    except S3Error as exc:
+        # Another process (a second worker, the API) may create it between our check and our create.
+        if exc.code not in _BUCKET_EXISTS:
+            raise
 
 
 def video_key(tenant_id: str, job_id: str) -> str:
@@ -58,8 +95,7 @@ class Storage:
         self.bucket = settings.s3_bucket
 
     def ensure_bucket(self) -> None:
-        if not self.client.bucket_exists(self.bucket):
-            self.client.make_bucket(self.bucket)
+        ensure_bucket(self.client, self.bucket)
 
     def ping(self) -> bool:
         return self.client.bucket_exists(self.bucket)

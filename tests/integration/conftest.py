@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tools.cli.processes import ProcessGroup, vidq_argv, wait_for_log, wait_http
+from tools.processes import ProcessGroup, vidq_argv, wait_for_log, wait_http
 
 pytestmark = pytest.mark.integration
 

@@ -8,7 +8,7 @@ import subprocess
 import httpx
 
 from tests.integration.conftest import free_port
-from tools.cli.processes import vidq_argv, wait_http
+from tools.processes import vidq_argv, wait_http
 
 
 def test_create_key_prints_a_working_key(procs, api_url):

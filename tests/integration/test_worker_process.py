@@ -13,7 +13,7 @@ from shared.storage import Storage
 from tests.integration.conftest import free_port
 from tests.integration.helpers import submit, transitions, wait_job
 from tests.integration.test_reliability import SLOW
-from tools.cli.processes import vidq_argv
+from tools.processes import vidq_argv
 
 
 def test_sigterm_mid_job_finishes_it_once_then_exits(client, start_worker, procs, settings, tenant_key):

@@ -21,19 +21,19 @@ import redis
 from minio import Minio
 from psycopg import sql
 
+from shared.storage import s3_client
 from tools.devstack import (
     DevStack,
     EmbeddedPostgres,
     EmbeddedRedis,
     SeaweedS3,
     ensure_database,
-    free_ports,
     libpq_url,
     probe_postgres,
     probe_redis,
     probe_s3,
-    s3_client,
 )
+from tools.processes import free_ports
 
 pytestmark = pytest.mark.integration
 

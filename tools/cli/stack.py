@@ -22,7 +22,7 @@ import typer
 from rich.console import Console
 
 from shared.config import get_settings
-from tools.cli.processes import ProcessGroup, vidq_argv, wait_for_log, wait_http
+from tools.processes import ProcessGroup, vidq_argv, wait_for_log, wait_http
 
 console = Console(stderr=True)
 STATE_DIR = Path(".vidq")

@@ -14,8 +14,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-from tools.devstack._process import HOST, ManagedProcess, StartupError, free_ports, log_tail, wait_until
 from tools.devstack.probes import ensure_database, probe_postgres, probe_redis
+from tools.processes import HOST, ManagedProcess, StartupError, free_ports, log_tail, wait_until
 
 if TYPE_CHECKING:
     import psutil
@@ -188,16 +188,18 @@ def _shut_down(postmaster: psutil.Process) -> None:
 def _exited(process: psutil.Process, *, timeout_s: float) -> bool:
     import psutil
 
-    # pg_ctl leaves the postmaster to whatever runs as pid 1, which may be slow to reap it: a zombie has exited.
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    def gone() -> bool:
+        # pg_ctl leaves the postmaster to whatever runs as pid 1, which may be slow to reap it: a zombie has exited.
         try:
-            if process.status() == psutil.STATUS_ZOMBIE:
-                return True
+            return bool(process.status() == psutil.STATUS_ZOMBIE)
         except psutil.NoSuchProcess:
             return True
-        time.sleep(0.05)
-    return False
+
+    try:
+        wait_until(gone, timeout_s=timeout_s, what=f"postmaster {process.pid} exiting", interval_s=0.05)
+    except StartupError:
+        return False
+    return True
 
 
 class EmbeddedRedis:
@@ -258,14 +260,13 @@ class EmbeddedRedis:
             "--daemonize",
             "no",
         ]
-        self._process = ManagedProcess(argv, log_path=self.log_path, name="redis-server")
         try:
-            self._process.start()
+            self._process = ManagedProcess(argv, log_path=self.log_path, name="redis-server")
             wait_until(
                 lambda: probe_redis(self.url, timeout_s=1),
                 timeout_s=self.start_timeout_s,
                 what="embedded Redis",
-                process=self._process,
+                watch=self._process,
             )
         except BaseException:
             self.stop()

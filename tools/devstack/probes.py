@@ -10,12 +10,13 @@ from urllib.parse import urlsplit, urlunsplit
 import psycopg
 import redis
 import urllib3
-from minio import Minio
 from minio.error import MinioException
 from psycopg import errors, sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+
+from shared.storage import s3_client
 
 _DRIVER = re.compile(r"^(postgres(?:ql)?)\+\w+://")
 
@@ -75,20 +76,6 @@ def probe_redis(url: str, timeout_s: float = 2) -> bool:
         client.close()
 
 
-def s3_client(
-    endpoint: str,
-    *,
-    access_key: str,
-    secret_key: str,
-    secure: bool = False,
-    timeout_s: float,
-    region: str | None = None,
-) -> Minio:
-    """A minio client whose every request gives up after ``timeout_s`` (the default retries for minutes)."""
-    http = urllib3.PoolManager(timeout=urllib3.Timeout(connect=timeout_s, read=timeout_s), retries=False, maxsize=4)
-    return Minio(endpoint, access_key=access_key, secret_key=secret_key, secure=secure, region=region, http_client=http)
-
-
 def probe_s3(endpoint: str, access_key: str, secret_key: str, secure: bool, timeout_s: float = 2) -> bool:
     """True when ``endpoint`` (``host:port``) answers a signed ListBuckets with these credentials."""
     client = s3_client(endpoint, access_key=access_key, secret_key=secret_key, secure=secure, timeout_s=timeout_s)
@@ -97,11 +84,6 @@ def probe_s3(endpoint: str, access_key: str, secret_key: str, secure: bool, time
         return True
     except (MinioException, urllib3.exceptions.HTTPError, OSError):
         return False
-
-
-def ensure_bucket(client: Minio, bucket: str) -> None:
-    if not client.bucket_exists(bucket):
-        client.make_bucket(bucket)
 
 
 def ensure_database(url: str, *, timeout_s: float = 5) -> None:

@@ -14,8 +14,8 @@ from types import TracebackType
 
 from minio.helpers import check_bucket_name
 
-from tools.devstack._process import HOST, ManagedProcess, StartupError, free_ports, wait_until
-from tools.devstack.probes import ensure_bucket, s3_client
+from shared.storage import ensure_bucket, s3_client
+from tools.processes import HOST, ManagedProcess, StartupError, free_ports, wait_until
 
 logger = logging.getLogger(__name__)
 
@@ -145,8 +145,7 @@ class SeaweedS3:
         self.port = self._ports["s3"]
         try:
             self._process = ManagedProcess(self.command(), log_path=self.log_path, cwd=self.data_dir, name="weed")
-            self._process.start()
-            wait_until(self._writable, timeout_s=self.start_timeout_s, what="SeaweedFS S3", process=self._process)
+            wait_until(self._writable, timeout_s=self.start_timeout_s, what="SeaweedFS S3", watch=self._process)
         except BaseException:
             self.stop()
             raise

@@ -103,6 +103,16 @@ class JobCreate(BaseModel):
             return ["give either resolution or width/height, not both"]
         if (self.width is None) != (self.height is None):
             return ["width and height go together"]
+        timing = [
+            message
+            for failed, message in (
+                (self.duration_s > s.max_duration_s, f"duration_s must be at most {s.max_duration_s}"),
+                (not s.min_fps <= self.fps <= s.max_fps, f"fps must be between {s.min_fps} and {s.max_fps}"),
+            )
+            if failed
+        ]
+        if timing:  # the frame count is only computed from a duration and a rate within their caps (no overflow)
+            return timing
         width, height = self.size()
         model = self.model or s.default_model
         checks = [
@@ -111,8 +121,6 @@ class JobCreate(BaseModel):
                 len(self.negative_prompt) > s.max_prompt_chars,
                 f"negative_prompt is longer than {s.max_prompt_chars} characters",
             ),
-            (self.duration_s > s.max_duration_s, f"duration_s must be at most {s.max_duration_s}"),
-            (not s.min_fps <= self.fps <= s.max_fps, f"fps must be between {s.min_fps} and {s.max_fps}"),
             (
                 not (width <= s.max_width and height <= s.max_height),
                 f"width must be 16..{s.max_width} and height 16..{s.max_height}",

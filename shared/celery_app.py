@@ -61,6 +61,9 @@ def make_celery(settings: Settings) -> VidqCelery:
             "visibility_timeout": settings.visibility_timeout_s,
             "socket_timeout": settings.redis_socket_timeout_s,
             "socket_connect_timeout": settings.redis_socket_timeout_s,
+            # kombu prefixes every key it touches: the BRPOP queue keys, unacked/unacked_index/unacked_mutex,
+            # the binding sets and pub/sub channels ("" = no prefix).
+            "global_keyprefix": settings.broker_key_prefix,
         },
         # Flower needs events.
         worker_send_task_events=True,

@@ -27,6 +27,9 @@ class Settings(BaseSettings):
     db_statement_timeout_ms: int = 15_000
     broker_url: RedisDsn = RedisDsn("redis://127.0.0.1:6379/0")
     redis_socket_timeout_s: float = 5.0
+    # Every Redis key the broker writes starts with this (queues, unacked, bindings, event channels), so several
+    # stacks (or test sessions) can share one Redis database without seeing each other's messages.
+    broker_key_prefix: str = ""
 
     s3_endpoint: str = "127.0.0.1:8333"
     s3_secure: bool = False

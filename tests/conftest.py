@@ -1,8 +1,14 @@
 """Test session: real Postgres and Redis (the machine's when they answer, embedded ones when not) and a real S3
-(SeaweedFS) started here. Every process a test starts gets the same VIDQ_* environment."""
+(SeaweedFS) started here. Every process a test starts gets the same VIDQ_* environment.
+
+A test that reaches the stack (the ``stack_env`` fixture, directly or through ``settings``, ``clean_state``,
+``api_url`` …) is marked ``integration`` here, so ``pytest -m "not integration"`` runs without any service.
+Each session writes its broker keys under a prefix of its own, so suites sharing one Redis database do not
+see, or delete, each other's messages."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from collections.abc import Iterator
@@ -15,16 +21,29 @@ os.environ["VIDQ_ENV"] = "test"
 os.environ["VIDQ_LOG_JSON"] = "true"
 
 
+INTEGRATION_DIR = Path(__file__).resolve().parent / "integration"
+
+
+# tryfirst: the markers must be on the items before -m deselects by them.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        # fixturenames is the closure: settings, clean_state, api_url … all pull in stack_env.
+        if "stack_env" in getattr(item, "fixturenames", ()) or item.path.is_relative_to(INTEGRATION_DIR):
+            item.add_marker(pytest.mark.integration)
+    gpu_items = [item for item in items if "gpu" in item.keywords]
+    if not gpu_items:
+        return
+    # torch is imported only when a GPU test was collected: it costs seconds.
     try:
         import torch
 
         has_cuda = torch.cuda.is_available()
     except ImportError:
         has_cuda = False
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
-    for item in items:
-        if "gpu" in item.keywords and not has_cuda:
+    if not has_cuda:
+        skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+        for item in gpu_items:
             item.add_marker(skip_gpu)
 
 
@@ -36,12 +55,14 @@ def stack_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, st
     base = tmp_path_factory.mktemp("stack")
     db_name = f"vidq_test_{uuid.uuid4().hex[:8]}"
     pg = os.environ.get("VIDQ_TEST_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
-    redis = os.environ.get("VIDQ_TEST_REDIS", "redis://127.0.0.1:6379/13")
+    # The database number is the caller's choice (VIDQ_TEST_REDIS); the key prefix keeps sessions apart in it.
+    redis_url = os.environ.get("VIDQ_TEST_REDIS", "redis://127.0.0.1:6379/13")
+    key_prefix = f"vidq-test-{uuid.uuid4().hex[:8]}:"
     stack = DevStack()
     urls = stack.start(
         base,
         database_url=pg,
-        broker_url=redis,
+        broker_url=redis_url,
         s3_endpoint=None,
         s3_access_key="vidq-test",
         s3_secret_key="vidq-test-secret",
@@ -53,6 +74,7 @@ def stack_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, st
         **stack.env(),
         "VIDQ_DATABASE_URL": database_url,
         "VIDQ_S3_BUCKET": "vidq-test",
+        "VIDQ_BROKER_KEY_PREFIX": key_prefix,
         "VIDQ_WEBHOOK_ALLOW_PRIVATE": "true",
         # Short leases so a killed worker is noticed within seconds.
         "VIDQ_LEASE_S": "3",
@@ -74,10 +96,14 @@ def stack_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, st
 
     upgrade(get_settings())
     yield env
+    import redis
+
     from shared.db import dispose_engines
 
     dispose_engines()
     _drop_database(pg, db_name)
+    with contextlib.suppress(redis.RedisError):  # a broker that is gone already has nothing of ours left
+        _delete_broker_keys(urls.broker_url, key_prefix)
     stack.stop()
 
 
@@ -92,6 +118,26 @@ def _drop_database(maintenance_url: str, name: str) -> None:
         pass
 
 
+def _delete_broker_keys(broker_url: str, prefix: str) -> int:
+    """Delete this session's broker keys (SCAN + DEL), never another session's: no FLUSHDB."""
+    import redis
+
+    if not prefix:
+        raise ValueError("refusing to delete every key: the broker key prefix is empty")
+    pattern = "".join(f"\\{c}" if c in "*?[]\\" else c for c in prefix) + "*"
+    deleted = 0
+    with redis.Redis.from_url(broker_url, socket_timeout=5) as client:
+        batch: list[bytes] = []
+        for key in client.scan_iter(match=pattern, count=500):
+            batch.append(key)
+            if len(batch) >= 500:
+                deleted += int(client.delete(*batch))
+                batch.clear()
+        if batch:
+            deleted += int(client.delete(*batch))
+    return deleted
+
+
 @pytest.fixture(scope="session")
 def settings(stack_env: dict[str, str]):  # type: ignore[no-untyped-def]
     from shared.config import get_settings
@@ -101,8 +147,7 @@ def settings(stack_env: dict[str, str]):  # type: ignore[no-untyped-def]
 
 @pytest.fixture
 def clean_state(settings) -> Iterator[None]:  # type: ignore[no-untyped-def]
-    """Empty tables and queues before a test that counts rows or messages."""
-    import redis
+    """Empty tables and this session's queues before a test that counts rows or messages."""
     from sqlalchemy import text
 
     from shared.db import get_engine
@@ -111,7 +156,7 @@ def clean_state(settings) -> Iterator[None]:  # type: ignore[no-untyped-def]
         conn.execute(
             text("TRUNCATE jobs, job_transitions, idempotency_keys, webhook_deliveries, api_keys, tenants CASCADE")
         )
-    redis.Redis.from_url(str(settings.broker_url), socket_timeout=5).flushdb()
+    _delete_broker_keys(str(settings.broker_url), settings.broker_key_prefix)
     yield
 
 

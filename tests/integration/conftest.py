@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import threading
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -14,15 +13,11 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.integration.helpers import free_port
 from tools.processes import ProcessGroup, vidq_argv, wait_for_log, wait_http
 
-pytestmark = pytest.mark.integration
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+# Every test here is marked integration by tests/conftest.py (it sits in tests/integration/ and reaches the
+# session stack); a pytestmark in a conftest would mark nothing.
 
 
 @pytest.fixture(scope="session")

@@ -1,13 +1,19 @@
+"""What several integration test modules share: job payloads, polling, the database's view of a job, the
+sweeper, and the Redis key of a queue. Test modules import from here, never from each other."""
+
 from __future__ import annotations
 
+import socket
 import time
 import uuid
 from typing import Any
 
 import httpx
 
+from services.sweeper.sweeper import Sweeper
+from shared.celery_app import make_celery
 from shared.config import Settings
-from shared.db import session_scope
+from shared.db import session_factory, session_scope
 from shared.models import Job, JobTransition
 
 TINY: dict[str, Any] = {
@@ -19,6 +25,25 @@ TINY: dict[str, Any] = {
     "steps": 4,
     "seed": 1,
 }
+
+# Long enough on this CPU that a kill or a cancel lands mid-render.
+SLOW: dict[str, Any] = {"width": 128, "height": 128, "duration_s": 2.0, "fps": 8, "steps": 60}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def sweeper(settings: Settings) -> Sweeper:
+    """A sweeper in this process, for tests that drive sweeps one at a time."""
+    return Sweeper(settings, celery=make_celery(settings), sessions=session_factory(settings))
+
+
+def queue_key(settings: Settings, queue: str) -> str:
+    """The Redis list holding ``queue``'s messages: kombu prefixes it with this session's broker_key_prefix."""
+    return f"{settings.broker_key_prefix}{queue}"
 
 
 def submit(client: httpx.Client, **overrides: Any) -> dict[str, Any]:

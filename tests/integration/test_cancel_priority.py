@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import time
 
-from tests.integration.helpers import db_job, submit, transitions, wait_job
-from tests.integration.test_reliability import SLOW
+from tests.integration.helpers import SLOW, db_job, queue_key, submit, sweeper, transitions, wait_job
 
 
 def test_cancel_queued_job_never_runs(client, start_worker, settings):
@@ -57,24 +56,28 @@ def test_high_runs_before_medium_before_low_when_all_are_queued(client, start_wo
     assert started["high"] < started["medium"] < started["low"], started
 
 
-def test_low_job_is_aged_up_so_it_cannot_starve(client, settings, stack_env):
+def test_low_job_is_aged_up_so_it_cannot_starve(client, settings, clean_state):
     """With no worker, a low job waiting past aging_promote_after_s is re-sent to video.medium, then video.high."""
     import redis
 
     from shared.config import Settings
-    from tests.integration.test_reliability import sweeper
 
     job = submit(client, prompt="boat", width=64, height=64, duration_s=3.0, fps=4)
     assert job["queue"] == "video.low"
     fast = Settings(aging_promote_after_s=0.5)
     r = redis.Redis.from_url(str(settings.broker_url), socket_timeout=5)
-    assert r.llen("video.low") == 1 and r.llen("video.medium") == 0
+
+    def depth(queue: str) -> int:
+        # This session's queues only: other suites may share the Redis database under their own prefix.
+        return int(r.llen(queue_key(settings, queue)))
+
+    assert depth("video.low") == 1 and depth("video.medium") == 0
     time.sleep(0.7)
     sweeper(fast).sweep_once()
-    assert db_job(settings, job["id"]).queue == "video.medium" and r.llen("video.medium") == 1
+    assert db_job(settings, job["id"]).queue == "video.medium" and depth("video.medium") == 1
     time.sleep(0.7)
     sweeper(fast).sweep_once()
-    assert db_job(settings, job["id"]).queue == "video.high" and r.llen("video.high") == 1
+    assert db_job(settings, job["id"]).queue == "video.high" and depth("video.high") == 1
     time.sleep(0.7)
     sweeper(fast).sweep_once()  # high is the top: no further sends
-    assert r.llen("video.high") == 1
+    assert depth("video.high") == 1

@@ -7,7 +7,7 @@ import subprocess
 
 import httpx
 
-from tests.integration.conftest import free_port
+from tests.integration.helpers import free_port
 from tools.processes import vidq_argv, wait_http
 
 

@@ -9,7 +9,7 @@ import httpx
 from standardwebhooks.webhooks import Webhook
 
 from shared.render.video import probe
-from tests.integration.helpers import submit, transitions, wait_job
+from tests.integration.helpers import SLOW, submit, transitions, wait_job
 
 
 def test_prompt_becomes_mp4_in_s3_and_a_signed_webhook(
@@ -56,8 +56,6 @@ def test_prompt_becomes_mp4_in_s3_and_a_signed_webhook(
 
 
 def test_progress_streams_as_server_sent_events(client, start_worker):
-    from tests.integration.test_reliability import SLOW
-
     start_worker("video")
     job = submit(client, **SLOW)
     events: list[tuple[str, dict]] = []

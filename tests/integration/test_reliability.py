@@ -8,19 +8,11 @@ import uuid
 
 from celery import Celery
 
-from services.sweeper.sweeper import Sweeper
 from shared.celery_app import make_celery
-from shared.db import session_factory, session_scope
+from shared.db import session_scope
 from shared.queues import TASK_GENERATE
 from shared.storage import Storage
-from tests.integration.helpers import TINY, db_job, submit, transitions, wait_job
-
-# Long enough on this CPU that the kill lands mid-render.
-SLOW = {"width": 128, "height": 128, "duration_s": 2.0, "fps": 8, "steps": 60}
-
-
-def sweeper(settings) -> Sweeper:
-    return Sweeper(settings, celery=make_celery(settings), sessions=session_factory(settings))
+from tests.integration.helpers import SLOW, TINY, db_job, submit, sweeper, transitions, wait_job
 
 
 def sweep_until(settings, predicate, *, timeout_s: float = 30.0) -> None:

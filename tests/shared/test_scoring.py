@@ -1,5 +1,10 @@
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from shared.config import Settings
@@ -14,7 +19,37 @@ def test_node_count_is_documented_and_deterministic():
     # words 6, clauses 2 ("a fox runs", "then jumps quickly"), modifiers 1 ("quickly")
     assert node_count("a fox runs, then jumps quickly") == 6 + 4 + 1
     assert node_count("  ") == 0 + 2 + 0
-    assert node_count("a fox runs, then jumps quickly") == node_count("a fox runs, then jumps quickly")
+
+
+# words 13; clauses 3 ("A Bright golden dragon", "flying slowly over misty mountains", "a quiet lake", split at the
+# comma and at "and"); modifiers 4 (bright, golden, misty from the list; slowly by -ly)
+RICH = "A Bright golden dragon, flying slowly over misty mountains and a quiet lake"
+RICH_NODES = 13 + 2 * 3 + 4
+
+
+def test_node_count_ignores_spacing_and_case():
+    # Words are runs of letters, so spacing cannot count; connectives and modifier words match in any case.
+    assert node_count(RICH) == RICH_NODES
+    spaced = "  A   Bright golden\tdragon ,flying slowly over\nmisty mountains AND a quiet lake "
+    assert node_count(spaced) == RICH_NODES
+    assert node_count(RICH.upper()) == node_count(RICH.lower()) == RICH_NODES
+
+
+def test_node_count_is_the_same_in_another_interpreter():
+    # The score picks the queue, so every API replica must count alike: a fresh interpreter with another hash seed
+    # (set and str iteration orders change with it) gives the documented count too.
+    seed = "1" if os.environ.get("PYTHONHASHSEED") != "1" else "2"
+    code = f"from shared.scoring import node_count; print(node_count({RICH!r}))"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PYTHONHASHSEED": seed},
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert int(out.stdout) == RICH_NODES
 
 
 def test_complexity_saturates_at_one():

@@ -1,4 +1,6 @@
-"""The state machine against real Postgres: conditional transitions, fencing tokens, lease recovery."""
+"""The state machine: its transition table (pure, no service), then against real Postgres: conditional
+transitions, fencing tokens, lease recovery. The Postgres tests are marked integration by tests/conftest.py,
+through the ``settings`` fixture they use."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from shared.models import Job
 from shared.schemas import JobCreate
 from shared.states import (
     ALLOWED,
+    TERMINAL,
     JobStatus,
     can_transition,
     claim,
@@ -47,6 +50,24 @@ def test_terminal_states_allow_nothing():
         assert status.is_terminal() == (ALLOWED[status] == frozenset())
     assert not can_transition(JobStatus.SUCCEEDED, JobStatus.RUNNING)
     assert can_transition(JobStatus.RUNNING, JobStatus.QUEUED)
+
+
+def test_transition_table_is_the_documented_diagram():
+    # The diagram in shared/states.py, edge by edge; anything else must be refused.
+    documented = {
+        ("queued", "running"),  # claim
+        ("queued", "cancelled"),  # cancel before it runs
+        ("queued", "failed"),  # max attempts
+        ("running", "succeeded"),
+        ("running", "failed"),
+        ("running", "cancelled"),
+        ("running", "queued"),  # lease expired / transient error
+    }
+    allowed = {(src.value, dst.value) for src in JobStatus for dst in JobStatus if can_transition(src, dst)}
+    assert allowed == documented
+    assert set(ALLOWED) == set(JobStatus)  # every status has a row
+    assert {s.value for s in TERMINAL} == {"succeeded", "failed", "cancelled"}
+    assert [s for s in JobStatus if s.is_terminal()] == [s for s in JobStatus if s in TERMINAL]
 
 
 def test_only_one_of_many_concurrent_claims_wins(settings, job_id):

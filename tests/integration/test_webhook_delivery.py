@@ -19,8 +19,7 @@ from shared.db import session_scope
 from shared.models import IdempotencyKey, Job, Tenant
 from shared.schemas import JobCreate
 from shared.states import claim, fail
-from tests.integration.helpers import TINY, submit, wait_job
-from tests.integration.test_reliability import sweeper
+from tests.integration.helpers import TINY, submit, sweeper, wait_job
 
 
 class FlakyReceiver:

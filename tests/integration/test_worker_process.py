@@ -10,9 +10,7 @@ import time
 import httpx
 
 from shared.storage import Storage
-from tests.integration.conftest import free_port
-from tests.integration.helpers import submit, transitions, wait_job
-from tests.integration.test_reliability import SLOW
+from tests.integration.helpers import SLOW, free_port, submit, transitions, wait_job
 from tools.processes import vidq_argv
 
 

@@ -16,6 +16,7 @@ from kombu import Exchange
 from kombu import Queue as KQueue
 
 from shared.config import Settings
+from shared.progress import ProgressPublisher
 from shared.queues import TASK_DELIVER_WEBHOOK, TASK_GENERATE, Queue
 from shared.storage import Storage
 
@@ -27,6 +28,7 @@ class VidqCelery(Celery):  # type: ignore[misc]  # celery ships no types
         super().__init__("vidq", broker=str(settings.broker_url), set_as_current=True)
         self.settings = settings
         self._storage: Storage | None = None
+        self._progress: ProgressPublisher | None = None
 
     @property
     def storage(self) -> Storage:
@@ -34,6 +36,13 @@ class VidqCelery(Celery):  # type: ignore[misc]  # celery ships no types
         if self._storage is None:
             self._storage = Storage(self.settings)
         return self._storage
+
+    @property
+    def progress(self) -> ProgressPublisher:
+        """The process's progress publisher (Redis pub/sub), built on first use (in the pool child, after fork)."""
+        if self._progress is None:
+            self._progress = ProgressPublisher(self.settings)
+        return self._progress
 
 
 def make_celery(settings: Settings) -> VidqCelery:

@@ -49,7 +49,10 @@ class Settings(BaseSettings):
     api_port: int = 8000
     public_base_url: str = "http://127.0.0.1:8000"
     page_size_max: int = 100
-    events_poll_s: float = 0.5  # how often a progress stream (SSE) looks at the job
+    # A progress stream (SSE) follows the worker's Redis pub/sub messages; after this long without one it reads the
+    # job from Postgres anyway, so a lost message (a Redis restart; the sweeper's recoveries publish none) cannot
+    # leave it hanging.
+    events_resync_s: float = 30.0
     events_max_s: float = 3600.0  # a stream ends after this; clients reconnect
     readyz_timeout_s: float = 3.0
     idempotency_ttl_s: int = 24 * 3600

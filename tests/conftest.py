@@ -80,7 +80,6 @@ def stack_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, st
         "VIDQ_LEASE_S": "3",
         "VIDQ_HEARTBEAT_S": "0.5",
         "VIDQ_PROGRESS_MIN_INTERVAL_S": "0.05",
-        "VIDQ_EVENTS_POLL_S": "0.1",
         "VIDQ_ENQUEUE_GRACE_S": "0.5",
         "VIDQ_SWEEPER_IN_API": "false",
         "VIDQ_WORKER_METRICS_PORT": "0",  # several workers share this host; the metrics test picks a port

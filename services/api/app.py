@@ -20,6 +20,7 @@ from shared.config import Settings, get_settings
 from shared.db import get_engine, session_factory
 from shared.errors import VidqError
 from shared.logs import configure_logging
+from shared.progress import ProgressHub
 from shared.storage import Storage
 
 log = logging.getLogger("vidq.api")
@@ -36,6 +37,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.sessions = session_factory(settings)
         app.state.celery = make_celery(settings)
         app.state.storage = Storage(settings)
+        # One Redis pub/sub connection feeds every progress stream of this process (routes/events.py).
+        app.state.progress_hub = ProgressHub(settings)
+        await app.state.progress_hub.start()
         stop = threading.Event()
         sweeper_thread = None
         if settings.sweeper_in_api:
@@ -47,6 +51,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         stop.set()
         if sweeper_thread is not None:
             sweeper_thread.join(timeout=10)
+        await app.state.progress_hub.close()
         app.state.engine.dispose()
 
     app = FastAPI(

@@ -46,3 +46,15 @@ def get_tenant(
 
 
 TenantDep = Annotated[Tenant, Depends(get_tenant)]
+
+
+def get_tenant_briefly(
+    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
+) -> Tenant:
+    """``get_tenant`` in a session of its own, closed before the route runs: for a response that stays open (a
+    progress stream), which must not hold a database connection for its whole life."""
+    with session_scope(request.app.state.settings) as session:
+        return get_tenant(session, credentials)
+
+
+BriefTenantDep = Annotated[Tenant, Depends(get_tenant_briefly)]

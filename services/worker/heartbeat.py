@@ -10,20 +10,22 @@ import uuid
 from shared.config import Settings
 from shared.db import session_scope
 from shared.errors import JobCancelled, LeaseLost
-from shared.states import renew_lease
+from shared.progress import ProgressPublisher
+from shared.states import JobStatus, renew_lease
 
 log = logging.getLogger("vidq.worker.heartbeat")
 
 
 class Lease:
     """A background thread renews the lease every ``heartbeat_s``; ``on_step`` (called from the denoising loop)
-    records progress at most every ``progress_min_interval_s`` and raises when the job was cancelled or another
-    attempt took it over."""
+    publishes every step to the progress streams, records progress in Postgres at most every
+    ``progress_min_interval_s`` and raises when the job was cancelled or another attempt took it over."""
 
-    def __init__(self, settings: Settings, *, job_id: uuid.UUID, token: int) -> None:
+    def __init__(self, settings: Settings, *, job_id: uuid.UUID, token: int, progress: ProgressPublisher) -> None:
         self.settings = settings
         self.job_id = job_id
         self.token = token
+        self.progress = progress
         self.cancel_requested = False
         self.owned = True
         self._stop = threading.Event()
@@ -60,6 +62,9 @@ class Lease:
             raise JobCancelled("job cancelled")
 
     def on_step(self, step: int, total: int) -> None:
+        # Every step goes to the streams (one PUBLISH, never raises); the row is written throttled, as it costs a
+        # transaction.
+        self.progress.progress(self.job_id, status=JobStatus.RUNNING.value, step=step, total=total, attempt=self.token)
         now = time.monotonic()
         if step == total or now - self._last_progress >= self.settings.progress_min_interval_s:
             self._last_progress = now

@@ -23,8 +23,9 @@ from shared.config import Settings
 from shared.db import session_scope
 from shared.dispatch import send_job_after_commit, send_webhook_after_commit
 from shared.errors import JobCancelled, LeaseLost
+from shared.progress import ProgressPublisher
 from shared.spec import GenerationSpec
-from shared.states import cancelled_by_worker, claim, fail, release_for_retry, succeed
+from shared.states import JobStatus, cancelled_by_worker, claim, fail, release_for_retry, succeed
 from shared.storage import Storage, poster_key, video_key
 
 log = logging.getLogger("vidq.worker.runner")
@@ -34,14 +35,22 @@ def worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
-def run_job(job_id: uuid.UUID, *, settings: Settings, celery: VidqCelery, storage: Storage) -> str:
-    """Returns what happened ("succeeded", "dropped", "cancelled", "failed", …) for logs, metrics and tests."""
-    outcome = _run_job(job_id, settings=settings, celery=celery, storage=storage)
+def run_job(
+    job_id: uuid.UUID, *, settings: Settings, celery: VidqCelery, storage: Storage, progress: ProgressPublisher
+) -> str:
+    """Returns what happened ("succeeded", "dropped", "cancelled", "failed", …) for logs, metrics and tests.
+
+    ``progress`` tells the API's progress streams about the claim, each step, and every commit that takes the job
+    out of running ("finished": they read Postgres for the rest). It never raises; a lost message only delays a
+    stream until its resync."""
+    outcome = _run_job(job_id, settings=settings, celery=celery, storage=storage, progress=progress)
     JOBS.labels(outcome).inc()
     return outcome
 
 
-def _run_job(job_id: uuid.UUID, *, settings: Settings, celery: VidqCelery, storage: Storage) -> str:
+def _run_job(
+    job_id: uuid.UUID, *, settings: Settings, celery: VidqCelery, storage: Storage, progress: ProgressPublisher
+) -> str:
     ctx = {"job_id": str(job_id)}
     # 1. Claim: the conditional UPDATE makes a redelivered or duplicate message a no-op.
     with session_scope(settings) as session:
@@ -55,9 +64,10 @@ def _run_job(job_id: uuid.UUID, *, settings: Settings, celery: VidqCelery, stora
             QUEUE_WAIT.labels(job.priority_class).observe((job.started_at - job.created_at).total_seconds())
     ctx["attempt"] = str(token)
     log.info("claimed", extra=ctx)
+    progress.progress(job_id, status=JobStatus.RUNNING.value, step=0, total=spec.steps, attempt=token)
 
     try:
-        with Lease(settings, job_id=job_id, token=token) as lease, BUSY.track_inprogress():
+        with Lease(settings, job_id=job_id, token=token, progress=progress) as lease, BUSY.track_inprogress():
             outcome = _render_and_store(
                 spec, settings=settings, storage=storage, lease=lease, tenant_id=tenant_id, job_id=job_id
             )
@@ -69,19 +79,30 @@ def _run_job(job_id: uuid.UUID, *, settings: Settings, celery: VidqCelery, stora
         if done is None:
             log.warning("finalize refused: fencing token is stale", extra=ctx)
             return "stale"
+        progress.finished(job_id, status=done.status)
         return "succeeded"
     except JobCancelled:
         with session_scope(settings) as session:
             cancelled = cancelled_by_worker(session, job_id, token=token)
             if cancelled is not None:
                 send_webhook_after_commit(session, celery, cancelled)
+        if cancelled is not None:
+            progress.finished(job_id, status=cancelled.status)
         log.info("cancelled at a denoising step", extra=ctx)
         return "cancelled"
     except LeaseLost:
         log.warning("lease lost; another attempt owns the job", extra=ctx)
         return "stale"
     except SoftTimeLimitExceeded:
-        return _fail(settings, celery, job_id=job_id, token=token, code="time_limit", message="task time limit")
+        return _fail(
+            settings,
+            celery,
+            progress=progress,
+            job_id=job_id,
+            token=token,
+            code="time_limit",
+            message="task time limit",
+        )
     except (OperationalError, S3Error, Urllib3Error, ConnectionError, TimeoutError, OSError) as exc:
         # Transient (DB, S3, network): hand the job back for another attempt, or fail once attempts are spent.
         log.warning("transient failure", extra={**ctx, "error": repr(exc)})
@@ -90,22 +111,42 @@ def _run_job(job_id: uuid.UUID, *, settings: Settings, celery: VidqCelery, stora
             if released is not None:
                 send_job_after_commit(session, celery, released)
         if released is not None:
+            progress.finished(job_id, status=released.status)  # queued again: streams read it, then hear the claim
             return "retrying"
-        return _fail(settings, celery, job_id=job_id, token=token, code="transient_exhausted", message=repr(exc))
+        return _fail(
+            settings,
+            celery,
+            progress=progress,
+            job_id=job_id,
+            token=token,
+            code="transient_exhausted",
+            message=repr(exc),
+        )
     except Exception as exc:
         from shared.render.pipeline import PermanentRenderError
 
         code = "invalid_for_model" if isinstance(exc, PermanentRenderError) else "render_failed"
         log.exception("render failed", extra=ctx)
-        return _fail(settings, celery, job_id=job_id, token=token, code=code, message=f"{exc}")
+        return _fail(settings, celery, progress=progress, job_id=job_id, token=token, code=code, message=f"{exc}")
 
 
-def _fail(settings: Settings, celery: VidqCelery, *, job_id: uuid.UUID, token: int, code: str, message: str) -> str:
+def _fail(
+    settings: Settings,
+    celery: VidqCelery,
+    *,
+    progress: ProgressPublisher,
+    job_id: uuid.UUID,
+    token: int,
+    code: str,
+    message: str,
+) -> str:
     FAILURES.labels(code).inc()
     with session_scope(settings) as session:
         failed = fail(session, job_id, token=token, code=code, message=message)
         if failed is not None:
             send_webhook_after_commit(session, celery, failed)
+    if failed is not None:
+        progress.finished(job_id, status=failed.status)
     return "failed"
 
 

@@ -12,4 +12,5 @@ from shared.queues import TASK_GENERATE
 
 @shared_task(name=TASK_GENERATE, bind=True, acks_late=True, ignore_result=True)
 def generate(self: Task, job_id: str) -> str:
-    return run_job(uuid.UUID(job_id), settings=self.app.settings, celery=self.app, storage=self.app.storage)
+    app = self.app
+    return run_job(uuid.UUID(job_id), settings=app.settings, celery=app, storage=app.storage, progress=app.progress)

@@ -74,6 +74,8 @@ def cancel_job(
     job = request_cancel(session, job_id, tenant_id=tenant.id)
     send_webhook_after_commit(session, request.app.state.celery, job)  # when the cancel finished it
     session.commit()
+    if JobStatus(job.status).is_terminal():  # cancelled while queued: its progress streams end now
+        request.app.state.celery.progress.finished(job.id, status=job.status)
     return present_job(job, settings=settings, storage=request.app.state.storage)
 
 

@@ -89,7 +89,13 @@ class Settings(BaseSettings):
     enqueue_grace_s: float = 10.0  # a queued job never sent is re-sent after this
     queued_resend_s: float = 1800.0  # a sent job nobody claimed is re-sent after this (lost message)
     sweep_interval_s: float = 5.0
-    sweeper_in_api: bool = True
+    # The sweeper is its own process, `vidq sweep --forever` (compose's `sweeper`, k8s' vidq-sweeper, `vidq up`).
+    # True also runs it as a thread of every API process; any number of sweepers is safe (one acts at a time,
+    # under a Postgres advisory lock), but then every API replica spends database connections on it.
+    sweeper_in_api: bool = False
+    sweeper_liveness_file: str = "/tmp/vidq-sweeper-alive"  # touched after every tick, failed ones included
+    # `vidq sweep-alive` fails when that file is older than this; 0 = max(60 s, 6 × sweep_interval_s).
+    sweeper_liveness_max_age_s: float = 0.0
 
     # --- worker -------------------------------------------------------------------------------------------------
     worker_preload_models: list[str] = Field(default_factory=list)  # built in worker_process_init
@@ -129,6 +135,11 @@ class Settings(BaseSettings):
     @property
     def sqlalchemy_url(self) -> str:
         return str(self.database_url)
+
+    @property
+    def sweeper_liveness_max_age(self) -> float:
+        """Seconds after which a sweeper that has not touched its liveness file counts as stuck."""
+        return self.sweeper_liveness_max_age_s or max(60.0, 6 * self.sweep_interval_s)
 
 
 @lru_cache(maxsize=1)

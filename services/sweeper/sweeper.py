@@ -130,9 +130,20 @@ class Sweeper:
         return report
 
     def run_forever(self, stop: threading.Event) -> None:
+        from pathlib import Path
+
+        from shared.liveness import touch
+
+        alive = Path(self.settings.sweeper_liveness_file)
         while not stop.is_set():
             try:
                 self.sweep_once()
             except Exception:
                 log.exception("sweep failed; will retry next tick")
+            # After every attempt, failed ones too: `vidq sweep-alive` catches a stuck loop, not a database outage.
+            try:
+                touch(alive)
+            except OSError as exc:  # the probe's file never stops the sweeping (the probe then fails, and says so)
+                log.warning("liveness file not writable", extra={"path": str(alive), "error": str(exc)})
             stop.wait(self.settings.sweep_interval_s)
+        alive.unlink(missing_ok=True)  # a clean stop: the probe fails at once

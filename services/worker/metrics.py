@@ -9,7 +9,6 @@ prometheus_client) and the main process serves them, with live GPU readings from
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from shared.config import Settings
+from shared.liveness import touch
 
 log = logging.getLogger("vidq.worker.metrics")
 
@@ -83,18 +83,6 @@ def serve_metrics(settings: Settings) -> None:
         log.warning("metrics port unavailable", extra={"port": settings.worker_metrics_port, "error": str(exc)})
         return
     log.info("metrics served", extra={"port": settings.worker_metrics_port})
-
-
-def touch(path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.touch()
-
-
-def is_alive(path: Path, *, max_age_s: float) -> bool:
-    try:
-        return time.time() - path.stat().st_mtime <= max_age_s
-    except FileNotFoundError:
-        return False
 
 
 class LivenessFile(bootsteps.StartStopStep):  # type: ignore[misc]  # celery ships no types

@@ -528,8 +528,24 @@ def test_runtime_stages_run_vidq_as_non_root_with_a_healthcheck() -> None:
             assert paths and set(paths) <= api_paths(), f"{where}: HEALTHCHECK requests {paths}, not API paths"
 
 
-def test_worker_healthcheck_command_exists() -> None:
-    assert "worker-alive" in cli_commands()
+def test_liveness_probe_commands_exist() -> None:
+    assert {"worker-alive", "sweep-alive"} <= cli_commands()
+
+
+def test_exactly_one_sweeper_runs_and_no_api_sweeps_in_process() -> None:
+    """The sweeper is one service running `vidq sweep --forever` on the CPU image, probed by `vidq sweep-alive`; the
+    API leaves it off (more sweepers would be safe under the advisory lock, but pointless)."""
+    sweepers = {n: s for n, s in vidq_services().items() if as_list(s.get("command"))[:1] == ["sweep"]}
+    assert list(sweepers) == ["sweeper"], sweepers
+    sweeper = sweepers["sweeper"]
+    assert as_list(sweeper["command"]) == ["sweep", "--forever"]
+    assert sweeper.get("deploy", {}).get("replicas", 1) == 1 and sweeper.get("scale", 1) == 1
+    assert sweeper.get("restart") == "unless-stopped"
+    assert as_list(sweeper["healthcheck"]["test"]) == ["CMD", "vidq", "sweep-alive"]
+    assert depends_on(sweeper).get("migrate") == "service_completed_successfully", "it needs the schema"
+    for name, service in vidq_services().items():
+        if as_list(service.get("command"))[:1] == ["api"]:
+            assert settings_from_env(effective_env(service)).sweeper_in_api is False, f"{name} runs the sweeper too"
 
 
 # ---- the build context ------------------------------------------------------------------------------------------
@@ -582,8 +598,8 @@ def test_api_image_installs_no_worker_extra() -> None:
 
 
 def test_what_the_cpu_image_runs_imports_without_torch() -> None:
-    """The API image runs the API, migrations, Flower and the webhook worker with no torch or diffusers installed:
-    import all of it with those modules blocked."""
+    """The API image runs the API, migrations, the sweeper, Flower and the webhook worker with no torch or diffusers
+    installed: import all of it with those modules blocked."""
     script = """
 import sys
 for blocked in ("torch", "diffusers", "transformers", "accelerate", "av", "PIL", "numpy", "tokenizers"):
@@ -593,7 +609,7 @@ import tools.cli
 typer.main.get_command(tools.cli.app)
 from services.api.app import create_app
 create_app()
-import services.webhooks.app, services.webhooks.tasks, services.sweeper.sweeper, shared.migrate
+import services.webhooks.app, services.webhooks.tasks, services.sweeper.sweeper, shared.liveness, shared.migrate
 """
     result = subprocess.run(
         [sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=False
@@ -601,7 +617,7 @@ import services.webhooks.app, services.webhooks.tasks, services.sweeper.sweeper,
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-@pytest.mark.parametrize("name", ["api", "flower", "webhooks", "migrate"])
+@pytest.mark.parametrize("name", ["api", "flower", "webhooks", "migrate", "sweeper"])
 def test_cpu_image_services_use_the_cpu_image(name: str) -> None:
     found = image_stage(services()[name])
     assert found is not None and found[0].path.name == "api.Dockerfile", name

@@ -273,7 +273,7 @@ def test_every_command_is_a_real_vidq_command(target: str) -> None:
             if exec_ := c.get(probe, {}).get("exec"):
                 assert exec_["command"][0] == "vidq", f"{where} {probe}"
                 assert not cli_args_problems(exec_["command"][1:]), f"{where} {probe}"
-    assert {"api", "worker", "flower", "migrate"} <= seen
+    assert {"api", "worker", "flower", "migrate", "sweep"} <= seen
 
 
 def test_worker_roles_and_queues_are_real(target: str) -> None:
@@ -330,6 +330,43 @@ def test_http_probes_use_real_paths_and_ports(target: str) -> None:
     assert api["metadata"]["annotations"]["prometheus.io/path"] in paths
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+
+
+def pod_setting(target: str, container: Obj, env_name: str) -> Any:
+    """A setting as one container sees it: its own env beats the ConfigMap (envFrom), which beats the default."""
+    env = {k: v for k, v in configmap(target).items() if k == env_name}
+    env |= {e["name"]: e["value"] for e in container.get("env", []) if e["name"] == env_name and "value" in e}
+    return getattr(settings_from_env(env), setting_field(env_name))
+
+
+def test_exactly_one_sweeper_runs_and_no_api_pod_sweeps(target: str) -> None:
+    """The sweeper is one Deployment of one replica running `vidq sweep --forever`, probed by `vidq sweep-alive`,
+    and no API pod runs it as well (more sweepers would be safe, under the advisory lock, but pointless)."""
+    sweepers = [where for where, _, c in containers(target) if argv(c)[1] == "sweep"]
+    assert sweepers == ["Deployment/vidq-sweeper/sweeper"], sweepers
+    deployment = named(target, "Deployment", "vidq-sweeper")
+    assert deployment["spec"]["replicas"] == 1
+    # A rollout must not surge a second one (it would be harmless, but the design says one).
+    strategy = deployment["spec"].get("strategy", {})
+    assert strategy.get("type") == "Recreate" or strategy.get("rollingUpdate", {}).get("maxSurge") in (0, "0%")
+    assert not [
+        h for h in objects(target, "HorizontalPodAutoscaler") if h["spec"]["scaleTargetRef"]["name"] == "vidq-sweeper"
+    ]
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert argv(container) == ["vidq", "sweep", "--forever"]
+    assert container["image"].rsplit(":", 1)[0] == "vidq-api"
+    for probe in ("startupProbe", "livenessProbe"):
+        assert container[probe]["exec"]["command"] == ["vidq", "sweep-alive"], probe
+    # The liveness file lies on a writable volume (the root filesystem is read-only).
+    alive = Path(pod_setting(target, container, "VIDQ_SWEEPER_LIVENESS_FILE"))
+    mounts = [Path(m["mountPath"]) for m in container["volumeMounts"] if not m.get("readOnly")]
+    assert any(alive.is_relative_to(m) for m in mounts), f"{alive} is not on a writable volume"
+    # A healthy loop touches the file every VIDQ_SWEEP_INTERVAL_S plus a tick: the probe must allow several.
+    sweep_env = {k: v for k, v in configmap(target).items() if k.startswith("VIDQ_SWEEP")}
+    assert settings_from_env(sweep_env).sweeper_liveness_max_age >= 3 * setting(target, "VIDQ_SWEEP_INTERVAL_S")
+    for _, _, c in containers(target):
+        if argv(c)[1] == "api":
+            assert pod_setting(target, c, "VIDQ_SWEEPER_IN_API") is False, "the API must not run the sweeper too"
 
 
 def test_worker_metrics_are_scraped_on_the_configured_port(target: str) -> None:
@@ -483,7 +520,7 @@ def test_network_policies(target: str) -> None:
     deny = [s for s in policies.values() if s["podSelector"] == {} and not s.get("ingress") and not s.get("egress")]
     assert deny and set(deny[0]["policyTypes"]) == {"Ingress", "Egress"}, "default deny for all pods"
     components = {t["metadata"]["labels"]["app.kubernetes.io/component"] for _, t in pod_specs(target)}
-    assert components == {"api", "worker", "webhooks", "flower", "migrate"}
+    assert components == {"api", "worker", "webhooks", "sweeper", "flower", "migrate"}
     for component in components:
         rules = egress_rules(target, component)
         ports = {p["port"] for r in rules for p in r.get("ports", [])}
@@ -498,6 +535,10 @@ def test_network_policies(target: str) -> None:
             assert all(r.get("to") for r in rules), f"{component}: egress rule without destination"
     worker_ports = {p["port"] for r in egress_rules(target, "worker") for p in r.get("ports", [])}
     assert worker_ports <= {53, 5432, 6379, 9000, 443}
+    # The sweeper needs Postgres and the broker, nothing else (it never touches S3), and nobody calls it.
+    sweeper_ports = {p["port"] for r in egress_rules(target, "sweeper") for p in r.get("ports", [])}
+    assert sweeper_ports == {53, 5432, 6379}
+    assert not [r for s in policies.values() if selects(s["podSelector"], "sweeper") for r in s.get("ingress", [])]
     api_in = [r for s in policies.values() if selects(s["podSelector"], "api") for r in s.get("ingress", [])]
     assert any(8000 in {p["port"] for p in r["ports"]} and not r.get("from") for r in api_in)
     flower_in = [r for s in policies.values() if selects(s["podSelector"], "flower") for r in s.get("ingress", [])]

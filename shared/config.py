@@ -25,6 +25,11 @@ class Settings(BaseSettings):
     database_url: PostgresDsn = PostgresDsn("postgresql+psycopg://postgres@127.0.0.1:5432/vidq")
     db_connect_timeout_s: int = 5
     db_statement_timeout_ms: int = 15_000
+    # Connections per process. The API admits at most this many requests at once (VIDQ_API_MAX_INFLIGHT defaults
+    # to it), so a request never waits for a connection while holding one: pools and concurrency are sized together.
+    db_pool_size: int = 10
+    db_pool_timeout_s: float = 5.0
+    db_pool_recycle_s: int = 1800
     broker_url: RedisDsn = RedisDsn("redis://127.0.0.1:6379/0")
     redis_socket_timeout_s: float = 5.0
     # Every Redis key the broker writes starts with this (queues, unacked, bindings, event channels), so several
@@ -47,6 +52,13 @@ class Settings(BaseSettings):
     # --- API ----------------------------------------------------------------------------------------------------
     api_host: str = "127.0.0.1"
     api_port: int = 8000
+    api_workers: int = 1  # processes (`vidq api --workers N`); each has its own pool of db_pool_size connections
+    # Load shedding: at most this many requests are handled at once per process (0 = db_pool_size); the next ones
+    # wait up to api_queue_timeout_s for a slot, then get 503 + Retry-After. Progress streams are not counted.
+    api_max_inflight: int = 0
+    api_queue_timeout_s: float = 1.0
+    api_retry_after_s: int = 1
+    api_key_cache_s: float = 10.0  # an API key's tenant is remembered this long (a revoked key works ≤ this long)
     public_base_url: str = "http://127.0.0.1:8000"
     page_size_max: int = 100
     # A progress stream (SSE) follows the worker's Redis pub/sub messages; after this long without one it reads the

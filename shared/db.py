@@ -14,12 +14,15 @@ _engines: dict[str, Engine] = {}
 
 
 def make_engine(settings: Settings) -> Engine:
+    # No pre-ping (a round trip per checkout): a connection found dead fails its one request with a 503, and
+    # SQLAlchemy then invalidates the whole pool, so an outage costs one error per process, not one per connection.
     return create_engine(
         settings.sqlalchemy_url,
-        pool_pre_ping=True,
-        pool_size=5,
-        max_overflow=5,
-        pool_timeout=10,
+        pool_pre_ping=False,
+        pool_size=settings.db_pool_size,
+        max_overflow=5,  # room for background work beside admitted requests (sweeper, send records, streams)
+        pool_timeout=settings.db_pool_timeout_s,
+        pool_recycle=settings.db_pool_recycle_s,
         connect_args={
             "connect_timeout": settings.db_connect_timeout_s,
             "options": f"-c statement_timeout={settings.db_statement_timeout_ms}",

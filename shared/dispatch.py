@@ -2,15 +2,22 @@
 
 Code that changes a job registers the message in its unit of work (``send_job_after_commit``,
 ``send_webhook_after_commit``); nothing is sent before the transaction commits, nothing at all when it rolls back.
-After the commit each message goes to the broker and its send is recorded (``jobs.enqueued_at``) in a transaction
-of its own. Neither step raises: a failed send or a failed record leaves ``enqueued_at`` behind the truth, and the
-sweeper re-sends — a duplicate message is dropped by the worker's claim, a lost one would strand the job.
+After the commit each message goes to the broker; the sends are then recorded (``jobs.enqueued_at``) off the hot
+path, by one background thread per process that writes them in batches (one UPDATE per queue, every few tens of
+milliseconds), so a submit costs one transaction. Neither step raises: a failed send or a lost record leaves
+``enqueued_at`` behind the truth, and the sweeper re-sends — a duplicate message is dropped by the worker's claim,
+a lost one would strand the job.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import queue
+import threading
+import time
 import uuid
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,8 +68,14 @@ def _register(session: Session, message: Message) -> None:
 @event.listens_for(Session, "after_commit")
 def _after_commit(session: Session) -> None:
     pending: list[Message] = session.info.pop(_PENDING, [])
-    sent = [m for m in pending if _send(m)]
-    _record_sends([m for m in sent if m.records_send])
+    for message in pending:
+        if _send(message) and message.records_send:
+            _recorder(message.celery).add(message)
+
+
+def flush_send_records(celery: VidqCelery) -> None:
+    """Write the sends recorded so far now (the sweeper does, so each tick leaves the table up to date)."""
+    _recorder(celery).flush()
 
 
 @event.listens_for(Session, "after_rollback")
@@ -83,18 +96,76 @@ def _send(message: Message) -> bool:
     return True
 
 
-def _record_sends(messages: list[Message]) -> None:
-    """Record the sends (and the queue each went to) in one transaction of its own."""
+class _SendRecorder:
+    """Collects sent job ids and records them in batches from a daemon thread."""
+
+    BATCH_WAIT_S = 0.05
+    MAX_BATCH = 500
+
+    def __init__(self, celery: VidqCelery) -> None:
+        self._celery = celery
+        self._queue: queue.SimpleQueue[Message] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # one writer at a time (the thread, or a caller's flush)
+        threading.Thread(target=self._run, name="vidq-send-records", daemon=True).start()
+
+    def add(self, message: Message) -> None:
+        self._queue.put(message)
+
+    def flush(self) -> None:
+        with self._lock:
+            _record_sends(self._drain(), celery=self._celery)
+
+    def _drain(self) -> list[Message]:
+        batch: list[Message] = []
+        while len(batch) < self.MAX_BATCH:
+            try:
+                batch.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        return batch
+
+    def _run(self) -> None:
+        while True:
+            first = self._queue.get()  # blocks until there is something to record
+            time.sleep(self.BATCH_WAIT_S)  # let a burst gather into one UPDATE
+            with self._lock:
+                _record_sends([first, *self._drain()], celery=self._celery)
+
+
+_recorders: dict[int, _SendRecorder] = {}
+_recorders_lock = threading.Lock()
+
+
+def _recorder(celery: VidqCelery) -> _SendRecorder:
+    with _recorders_lock:  # one per app per process (a forked child starts with none: the dict is rebuilt below)
+        recorder = _recorders.get(id(celery))
+        if recorder is None:
+            recorder = _recorders[id(celery)] = _SendRecorder(celery)
+        return recorder
+
+
+def _reset_after_fork() -> None:
+    _recorders.clear()  # a parent's thread does not exist in the child
+
+
+def _record_sends(messages: list[Message], *, celery: VidqCelery) -> None:
+    """Record the sends (and the queue each went to): one UPDATE per queue, in one transaction."""
     if not messages:
         return
+    by_queue: dict[str, list[uuid.UUID]] = defaultdict(list)
+    for m in messages:
+        by_queue[m.queue].append(m.job_id)
     try:
-        with session_scope(messages[0].celery.settings) as session:
-            for m in messages:
+        with session_scope(celery.settings) as session:
+            for queue_name, ids in by_queue.items():
                 session.execute(
                     update(Job)
-                    .where(Job.id == m.job_id, Job.status == JobStatus.QUEUED.value)
-                    .values(enqueued_at=func.now(), queue=m.queue)
+                    .where(Job.id.in_(ids), Job.status == JobStatus.QUEUED.value)
+                    .values(enqueued_at=func.now(), queue=queue_name)
                     .execution_options(synchronize_session=False)
                 )
-    except Exception as exc:  # the message is out; the sweeper's resend is a harmless duplicate
+    except Exception as exc:  # the messages are out; the sweeper's resend is a harmless duplicate
         log.warning("could not record sends", extra={"jobs": [str(m.job_id) for m in messages], "error": repr(exc)})
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)

@@ -32,6 +32,10 @@ RESOLUTION_PRESETS: dict[str, tuple[int, int]] = {
 MetadataValue = str | int | float | bool | None
 
 
+def _compact_json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
 class JobCreate(BaseModel):
     """``POST /v1/jobs``: the spec's fields, with a duration instead of a frame count, a resolution preset as an
     alternative to width/height, and defaults; plus where to send the webhook and the caller's metadata."""
@@ -134,8 +138,8 @@ class JobCreate(BaseModel):
             (self.guidance_scale > s.max_guidance_scale, f"guidance_scale must be at most {s.max_guidance_scale}"),
             (model not in s.models_allowed, f"model must be one of {s.models_allowed}"),
             (
-                len(json.dumps(self.metadata)) > s.max_metadata_bytes,
-                f"metadata must be at most {s.max_metadata_bytes} bytes of JSON",
+                len(_compact_json(self.metadata).encode()) > s.max_metadata_bytes,
+                f"metadata must be at most {s.max_metadata_bytes} bytes of JSON (UTF-8, compact)",
             ),
         ]
         problems = [message for failed, message in checks if failed]

@@ -46,9 +46,12 @@ def issue_key(session: Session, *, tenant_name: str, key_name: str = "") -> Issu
 
 
 def tenant_for_key(session: Session, key: str) -> Tenant | None:
-    row = session.execute(
+    return tenant_for_key_hash(session, hash_key(key))
+
+
+def tenant_for_key_hash(session: Session, key_hash: str) -> Tenant | None:
+    return session.execute(
         select(Tenant)
         .join(ApiKey, ApiKey.tenant_id == Tenant.id)
-        .where(ApiKey.key_hash == hash_key(key), ApiKey.revoked_at.is_(None))
+        .where(ApiKey.key_hash == key_hash, ApiKey.revoked_at.is_(None))
     ).scalar_one_or_none()
-    return row

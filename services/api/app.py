@@ -4,21 +4,20 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request, Response
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI
 
-from services.api.metrics import ERRORS, REQUEST_SECONDS
+from services.api.admission import AdmissionLimit, admission_kwargs
+from services.api.deps import KeyCache
+from services.api.error_handlers import install_error_handlers
+from services.api.metrics import RequestTiming
 from services.api.routes import events, health, jobs
 from services.sweeper.sweeper import Sweeper
 from shared.celery_app import make_celery
 from shared.config import Settings, get_settings
 from shared.db import get_engine, session_factory
-from shared.errors import VidqError
 from shared.logs import configure_logging
 from shared.progress import ProgressHub
 from shared.storage import Storage
@@ -37,6 +36,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.sessions = session_factory(settings)
         app.state.celery = make_celery(settings)
         app.state.storage = Storage(settings)
+        app.state.key_cache = KeyCache(ttl_s=settings.api_key_cache_s)
         # One Redis pub/sub connection feeds every progress stream of this process (routes/events.py).
         app.state.progress_hub = ProgressHub(settings)
         await app.state.progress_hub.start()
@@ -64,30 +64,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(jobs.router)
     app.include_router(events.router)
 
-    @app.exception_handler(VidqError)
-    async def vidq_error(_: Request, exc: VidqError) -> JSONResponse:
-        ERRORS.labels(exc.code, str(exc.status_code)).inc()
-        return JSONResponse(exc.to_body(), status_code=exc.status_code)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        details = [
-            {"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")} for e in exc.errors()
-        ]
-        message = "; ".join(d["msg"].removeprefix("Value error, ") for d in details) or "invalid request"
-        ERRORS.labels("invalid_request", "422").inc()
-        return JSONResponse(
-            {"error": {"code": "invalid_request", "message": message, "details": details}}, status_code=422
-        )
-
-    @app.middleware("http")
-    async def timing(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        start = time.perf_counter()
-        response = await call_next(request)
-        route = request.scope.get("route")
-        REQUEST_SECONDS.labels(request.method, getattr(route, "path", "unmatched"), str(response.status_code)).observe(
-            time.perf_counter() - start
-        )
-        return response
+    install_error_handlers(app, retry_after_s=settings.api_retry_after_s)
+    app.add_middleware(AdmissionLimit, **admission_kwargs(settings))
+    app.add_middleware(RequestTiming)  # outermost: the latency includes the wait for admission
 
     return app

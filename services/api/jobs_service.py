@@ -6,13 +6,14 @@ import base64
 import uuid
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import and_, or_, select
+from sqlalchemy import func, select, tuple_
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
+from services.api.deps import Caller
 from shared.config import Settings
-from shared.errors import IdempotencyKeyReused, InvalidRequest, NotFound
-from shared.models import IdempotencyKey, Job, Tenant
+from shared.errors import Conflict, IdempotencyKeyReused, InvalidRequest, NotFound
+from shared.models import IdempotencyKey, Job
 from shared.schemas import JobCreate
 from shared.scoring import score_job
 from shared.spec import GenerationSpec
@@ -20,7 +21,7 @@ from shared.states import JobStatus
 
 
 def create_job(
-    session: Session, settings: Settings, *, tenant: Tenant, body: JobCreate, spec: GenerationSpec | None = None
+    session: Session, settings: Settings, *, tenant: Caller, body: JobCreate, spec: GenerationSpec | None = None
 ) -> Job:
     """Insert the job row (flush only; the caller registers the send and commits)."""
     spec = spec or body.to_spec(settings)
@@ -52,7 +53,7 @@ def submit(
     session: Session,
     settings: Settings,
     *,
-    tenant: Tenant,
+    tenant: Caller,
     body: JobCreate,
     idempotency_key: str | None,
 ) -> tuple[Job, bool]:
@@ -67,17 +68,25 @@ def submit(
     existing = _live_key(session, tenant_id=tenant.id, key=idempotency_key)
     if existing is None:
         job = create_job(session, settings, tenant=tenant, body=body, spec=spec)
+        key_row = pg_insert(IdempotencyKey).values(
+            tenant_id=tenant.id,
+            key=idempotency_key,
+            request_hash=fingerprint,
+            job_id=job.id,
+            expires_at=datetime.now(UTC) + timedelta(seconds=settings.idempotency_ttl_s),
+        )
+        # An expired key the sweeper has not deleted yet behaves as a new key: it is taken over.
         inserted = session.execute(
-            pg_insert(IdempotencyKey)
-            .values(
-                tenant_id=tenant.id,
-                key=idempotency_key,
-                request_hash=fingerprint,
-                job_id=job.id,
-                expires_at=datetime.now(UTC) + timedelta(seconds=settings.idempotency_ttl_s),
-            )
-            .on_conflict_do_nothing()
-            .returning(IdempotencyKey.key)
+            key_row.on_conflict_do_update(
+                index_elements=[IdempotencyKey.tenant_id, IdempotencyKey.key],
+                set_={
+                    "request_hash": key_row.excluded.request_hash,
+                    "job_id": key_row.excluded.job_id,
+                    "expires_at": key_row.excluded.expires_at,
+                    "created_at": func.now(),
+                },
+                where=IdempotencyKey.expires_at <= func.now(),
+            ).returning(IdempotencyKey.key)
         ).first()
         if inserted is not None:
             return job, True
@@ -85,7 +94,8 @@ def submit(
         session.delete(job)
         session.flush()
         existing = _live_key(session, tenant_id=tenant.id, key=idempotency_key)
-        assert existing is not None
+        if existing is None:  # theirs expired in the same instant: let the client retry
+            raise Conflict("this Idempotency-Key is being reused concurrently; retry the request")
     if existing.request_hash != fingerprint:
         raise IdempotencyKeyReused(
             "this Idempotency-Key was used with a different request body",
@@ -132,13 +142,17 @@ def list_jobs(
     limit: int,
     cursor: str | None,
 ) -> tuple[list[Job], str | None]:
-    """Newest first; keyset pagination on (created_at, id) so pages stay stable while jobs are added."""
+    """Newest first; keyset pagination on (created_at, id) so pages stay stable while jobs are added. The cursor is
+    a row comparison, which Postgres turns into the start of a range scan of ix_jobs_tenant_newest (or
+    ix_jobs_tenant_status_newest) read in the ORDER BY's own direction: a page at any depth reads ``limit + 1``
+    entries. The equivalent ``created_at < ts OR (created_at = ts AND id < jid)`` is only a filter, so the scan
+    began at the newest job and read through every row above the cursor."""
     stmt = select(Job).where(Job.tenant_id == tenant_id)
     if status is not None:
         stmt = stmt.where(Job.status == status.value)
     if cursor is not None:
         ts, jid = decode_cursor(cursor)
-        stmt = stmt.where(or_(Job.created_at < ts, and_(Job.created_at == ts, Job.id < jid)))
+        stmt = stmt.where(tuple_(Job.created_at, Job.id) < tuple_(ts, jid))
     rows = list(session.execute(stmt.order_by(Job.created_at.desc(), Job.id.desc()).limit(limit + 1)).scalars())
     next_cursor = encode_cursor(rows[limit - 1]) if len(rows) > limit else None
     return rows[:limit], next_cursor

@@ -2,8 +2,40 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+import time
+
+from prometheus_client import Counter, Gauge, Histogram
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 REQUEST_SECONDS = Histogram("vidq_api_request_seconds", "API request latency", ["method", "route", "status"])
 SUBMITS = Counter("vidq_api_submits_total", "Jobs accepted, by priority class", ["priority_class"])
 ERRORS = Counter("vidq_api_errors_total", "Error responses, by stable code and HTTP status", ["code", "status"])
+INFLIGHT = Gauge("vidq_api_inflight_requests", "Requests being handled (admitted)", multiprocess_mode="livesum")
+SHED = Counter("vidq_api_shed_total", "Requests refused with 503 because the process was at capacity")
+
+
+class RequestTiming:
+    """Observes every request's latency by method, route template and status (a plain ASGI wrapper: Starlette's
+    BaseHTTPMiddleware would add a task group per request)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500
+
+        async def send_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            route = getattr(scope.get("route"), "path", "unmatched")  # the router writes the matched route here
+            REQUEST_SECONDS.labels(scope["method"], route, str(status)).observe(time.perf_counter() - start)

@@ -52,8 +52,11 @@ def api(
     host: Annotated[str | None, typer.Option()] = None,
     port: Annotated[int | None, typer.Option()] = None,
     migrate_first: Annotated[bool, typer.Option("--migrate/--no-migrate")] = True,
+    workers: Annotated[int | None, typer.Option(help="API processes (default VIDQ_API_WORKERS); ~1 per core")] = None,
 ) -> None:
-    """Run the REST API (uvicorn)."""
+    """Run the REST API (uvicorn): one process, or several sharing the port."""
+    import tempfile
+
     import uvicorn
 
     from shared.config import get_settings
@@ -63,11 +66,16 @@ def api(
         from shared.migrate import upgrade
 
         upgrade(settings)
+    processes = workers or settings.api_workers
+    if processes > 1:
+        # Each process writes its metrics to files here; /metrics of any one of them serves the sum.
+        os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", tempfile.mkdtemp(prefix="vidq-api-metrics-"))
     uvicorn.run(
         "services.api.app:create_app",
         factory=True,
         host=host or settings.api_host,
         port=port or settings.api_port,
+        workers=processes,
         log_config=None,
         timeout_graceful_shutdown=10,
     )

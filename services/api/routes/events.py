@@ -28,7 +28,7 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.types import Receive, Scope, Send
 
 from services.api import jobs_service
-from services.api.deps import BriefTenantDep
+from services.api.deps import TenantDep
 from shared.config import Settings
 from shared.db import session_scope
 from shared.errors import NotFound
@@ -109,7 +109,7 @@ class _StreamResponse(EventSourceResponse):
     response_class=EventSourceResponse,
     responses={200: {"content": {"text/event-stream": {}}, "description": "progress events, then the finished job"}},
 )
-async def job_events(job_id: uuid.UUID, request: Request, tenant: BriefTenantDep) -> EventSourceResponse:
+async def job_events(job_id: uuid.UUID, request: Request, tenant: TenantDep) -> EventSourceResponse:
     settings: Settings = request.app.state.settings
     hub: ProgressHub = request.app.state.progress_hub
     read = partial(_read_job, settings=settings, storage=request.app.state.storage, tenant_id=tenant.id, job_id=job_id)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
 from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 from sqlalchemy import text
 
 router = APIRouter(tags=["health"])
@@ -52,4 +54,8 @@ def readyz(request: Request) -> JSONResponse:
 
 @router.get("/metrics")
 def metrics() -> Response:
+    if "PROMETHEUS_MULTIPROC_DIR" in os.environ:  # prometheus_client's own switch: several API processes
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry)
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
     return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,79 @@
+"""Load shedding at the door (invariant 10: load is shed, not absorbed).
+
+At most ``limit`` requests are handled at once per process; the next ones wait up to ``queue_timeout_s`` for a
+slot and then get a fast 503 with ``Retry-After`` in the error envelope. The limit is sized with the database pool
+(a request in progress holds at most one connection), so no request ever waits for a connection while holding a
+slot, and a burst cannot wedge the process: when it ends, the queue drains within ``queue_timeout_s``.
+Health checks, metrics and progress streams (long-lived, they hold no connection) are not counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from services.api.metrics import ERRORS, INFLIGHT, SHED
+from shared.config import Settings
+
+_EXEMPT_PREFIXES = ("/healthz", "/readyz", "/metrics")
+
+
+class AdmissionLimit:
+    def __init__(self, app: ASGIApp, *, limit: int, queue_timeout_s: float, retry_after_s: int) -> None:
+        self.app = app
+        self.limit = limit
+        self.queue_timeout_s = queue_timeout_s
+        self.retry_after_s = retry_after_s
+        self._slots: asyncio.Semaphore | None = None  # made on first use, inside the server's event loop
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or _exempt(scope["path"]):
+            await self.app(scope, receive, send)
+            return
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.limit)
+        queued = time.monotonic()
+        try:
+            await asyncio.wait_for(self._slots.acquire(), timeout=self.queue_timeout_s)
+        except TimeoutError:
+            SHED.inc()
+            await self._refuse(send, waited_s=time.monotonic() - queued)
+            return
+        INFLIGHT.inc()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            INFLIGHT.dec()
+            self._slots.release()
+
+    async def _refuse(self, send: Send, *, waited_s: float) -> None:
+        ERRORS.labels("overloaded", "503").inc()
+        body = {
+            "error": {
+                "code": "overloaded",
+                "message": "the API is at capacity; retry after the given seconds",
+                "details": {"in_flight": self.limit, "waited_s": round(waited_s, 3)},
+            }
+        }
+        headers: list[tuple[bytes, bytes]] = [
+            (b"content-type", b"application/json"),
+            (b"retry-after", str(self.retry_after_s).encode()),
+        ]
+        await send({"type": "http.response.start", "status": 503, "headers": headers})
+        await send({"type": "http.response.body", "body": json.dumps(body).encode()})
+
+
+def _exempt(path: str) -> bool:
+    return path.startswith(_EXEMPT_PREFIXES) or path.endswith("/events")
+
+
+def admission_kwargs(settings: Settings) -> dict[str, Any]:
+    return {
+        "limit": settings.api_max_inflight or settings.db_pool_size,
+        "queue_timeout_s": settings.api_queue_timeout_s,
+        "retry_after_s": settings.api_retry_after_s,
+    }

@@ -17,6 +17,7 @@ from sqlalchemy import (
     String,
     Text,
     func,
+    text,
 )
 from sqlalchemy.dialects.postgresql import JSONB, UUID
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -53,9 +54,35 @@ class ApiKey(Base):
 
 class Job(Base):
     __tablename__ = "jobs"
+    # Every query the API and the sweeper send has its index here (migrations/versions/0002): a list page costs
+    # O(page), a sweeper step O(work due), never O(table). tests/integration/test_query_plans.py checks the plans.
     __table_args__ = (
-        Index("ix_jobs_tenant_created", "tenant_id", "created_at", "id"),
-        Index("ix_jobs_status_created", "status", "created_at"),
+        # GET /v1/jobs, newest first; the keyset cursor is a row comparison on (created_at, id).
+        Index("ix_jobs_tenant_newest", "tenant_id", text("created_at DESC"), text("id DESC")),
+        # GET /v1/jobs?status=…
+        Index("ix_jobs_tenant_status_newest", "tenant_id", "status", text("created_at DESC"), text("id DESC")),
+        # Sweeper, expired leases. Keyed on id, not lease_expires_at: heartbeats rewrite the lease several times a
+        # second per running job, and an indexed lease would make each of those writes a non-HOT update of
+        # every index. The running set is as large as the GPU fleet, so reading all of it is O(work in flight).
+        Index("ix_jobs_running", "id", postgresql_where=text("status = 'running'")),
+        # Sweeper, never sent (crash between commit and send): normally empty.
+        Index(
+            "ix_jobs_queued_unsent", "created_at", postgresql_where=text("status = 'queued' AND enqueued_at IS NULL")
+        ),
+        # Sweeper, sent long ago and never claimed (lost message).
+        Index("ix_jobs_queued_sent", "enqueued_at", postgresql_where=text("status = 'queued'")),
+        # Sweeper, aging: only what can still move up a class ('video.high' is shared.queues.Queue.HIGH).
+        Index(
+            "ix_jobs_queued_agable",
+            "enqueued_at",
+            postgresql_where=text("status = 'queued' AND queue <> 'video.high'"),
+        ),
+        # Sweeper, webhooks never attempted: holds only finished jobs whose first attempt is not on record yet.
+        Index(
+            "ix_jobs_webhook_pending",
+            "webhook_pending_since",
+            postgresql_where=text("webhook_pending_since IS NOT NULL"),
+        ),
     )
     __mapper_args__ = {"eager_defaults": True}  # created_at comes back with the INSERT
 
@@ -88,6 +115,9 @@ class Job(Base):
     enqueued_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # Set by the UPDATE that finishes a job with a webhook URL, cleared with the first delivery attempt on record:
+    # the sweeper finds undelivered webhooks through a partial index on it instead of scanning finished jobs.
+    webhook_pending_since: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
     error_code: Mapped[str | None] = mapped_column(String(64))
     error_message: Mapped[str | None] = mapped_column(Text)

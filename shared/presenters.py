@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
-
 from shared.config import Settings
 from shared.models import Job
 from shared.schemas import ErrorOut, JobOut, OutputOut, ProgressOut, ScoreOut
@@ -23,10 +21,14 @@ def present_job(job: Job, *, settings: Settings, storage: Storage | None) -> Job
     output = None
     if job.status == "succeeded" and job.output_key and storage is not None:
         expiry = settings.presign_expiry_s
+        video = storage.presign(job.output_key, expiry_s=expiry)
+        poster = storage.presign(job.poster_key, expiry_s=expiry) if job.poster_key else None
         output = OutputOut(
-            url=storage.presign(job.output_key, expiry_s=expiry),
-            expires_at=datetime.now(UTC) + timedelta(seconds=expiry),
-            poster_url=storage.presign(job.poster_key, expiry_s=expiry) if job.poster_key else None,
+            url=video.url,
+            # The URL's own deadline (at least presign_expiry_s from now; storage signs per time bucket), and no
+            # later than the poster's, so a client that trusts it never holds a dead link.
+            expires_at=min(video.expires_at, poster.expires_at) if poster else video.expires_at,
+            poster_url=poster.url if poster else None,
             bytes=job.output_bytes or 0,
             sha256=job.output_sha256 or "",
             frames=job.output_frames or spec.num_frames,

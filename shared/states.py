@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, func, insert, or_, select, update
+from sqlalchemy import ColumnElement, and_, case, func, insert, literal, select, update
 from sqlalchemy.orm import Session
 
 from shared.errors import InvalidTransition, NotFound
@@ -68,6 +68,18 @@ def _record(session: Session, *, job_id: uuid.UUID, src: str | None, dst: JobSta
         "job transition",
         extra={"job_id": str(job_id), "from": src, "to": dst.value, "attempt": attempt, "reason": reason},
     )
+
+
+def _finished(**values: Any) -> dict[str, Any]:
+    """The values of every transition into a terminal status. ``webhook_pending_since`` marks a job whose event
+    is still to be delivered, in the very UPDATE that finishes it; the webhook task clears it with its first
+    attempt on record, and the sweeper re-sends through the partial index on it (ix_jobs_webhook_pending)."""
+    return {
+        **values,
+        "finished_at": func.now(),
+        "lease_expires_at": None,
+        "webhook_pending_since": case((Job.webhook_url.is_not(None), func.now()), else_=None),
+    }
 
 
 def _transition(
@@ -167,7 +179,7 @@ def succeed(session: Session, job_id: uuid.UUID, *, token: int, output: dict[str
         sources=[JobStatus.RUNNING.value],
         token=token,
         reason="rendered",
-        values={**output, "finished_at": func.now(), "lease_expires_at": None},
+        values=_finished(**output),
     )
 
 
@@ -180,12 +192,7 @@ def fail(session: Session, job_id: uuid.UUID, *, token: int | None, code: str, m
         sources=sources,
         token=token,
         reason=code,
-        values={
-            "error_code": code,
-            "error_message": message[:2000],
-            "finished_at": func.now(),
-            "lease_expires_at": None,
-        },
+        values=_finished(error_code=code, error_message=message[:2000]),
     )
 
 
@@ -197,7 +204,7 @@ def cancelled_by_worker(session: Session, job_id: uuid.UUID, *, token: int) -> J
         sources=[JobStatus.RUNNING.value],
         token=token,
         reason="stopped at a denoising step",
-        values={"finished_at": func.now(), "lease_expires_at": None},
+        values=_finished(),
     )
 
 
@@ -234,7 +241,7 @@ def request_cancel(session: Session, job_id: uuid.UUID, *, tenant_id: uuid.UUID)
             JobStatus.CANCELLED,
             sources=[JobStatus.QUEUED.value],
             reason="cancelled while queued",
-            values={"finished_at": func.now(), "cancel_requested": True},
+            values=_finished(cancel_requested=True),
         )
         assert done is not None  # the row is locked FOR UPDATE
         return done
@@ -247,13 +254,23 @@ def request_cancel(session: Session, job_id: uuid.UUID, *, tenant_id: uuid.UUID)
 
 
 # --- sweeper side -------------------------------------------------------------------------------------------
+# Each query reads one partial index of shared/models.py that holds only the rows it may act on, and stops at
+# ``limit``: a sweep with nothing due costs a few index probes, whatever the size of ``jobs``.
+
+
+def has_status(status: JobStatus) -> ColumnElement[bool]:
+    """``status = '<value>'`` with the value written into the SQL, not bound: a partial index (``WHERE status =
+    'queued'``) is usable only when the planner can prove its predicate from the query's constants, and psycopg
+    prepares a statement run five times, whose generic plan knows no parameter values."""
+    return Job.status == literal(status.value, literal_execute=True)
 
 
 def expired_leases(session: Session, *, now: datetime, limit: int = 100) -> list[Job]:
+    """Running jobs whose worker stopped heartbeating (ix_jobs_running: the running set, as large as the fleet)."""
     return list(
         session.execute(
             select(Job)
-            .where(Job.status == JobStatus.RUNNING.value, Job.lease_expires_at < now)
+            .where(has_status(JobStatus.RUNNING), Job.lease_expires_at < now)
             .order_by(Job.lease_expires_at)
             .limit(limit)
             .with_for_update(skip_locked=True)
@@ -271,12 +288,10 @@ def recover_expired(session: Session, job: Job) -> Job | None:
             sources=[JobStatus.RUNNING.value],
             token=job.attempt,
             reason="lease expired; max attempts reached",
-            values={
-                "error_code": "max_attempts_exceeded",
-                "error_message": f"worker lost {job.attempt} time(s); giving up",
-                "finished_at": func.now(),
-                "lease_expires_at": None,
-            },
+            values=_finished(
+                error_code="max_attempts_exceeded",
+                error_message=f"worker lost {job.attempt} time(s); giving up",
+            ),
         )
     if job.cancel_requested:
         return _transition(
@@ -286,7 +301,7 @@ def recover_expired(session: Session, job: Job) -> Job | None:
             sources=[JobStatus.RUNNING.value],
             token=job.attempt,
             reason="lease expired after cancel",
-            values={"finished_at": func.now(), "lease_expires_at": None},
+            values=_finished(),
         )
     return _transition(
         session,
@@ -300,19 +315,24 @@ def recover_expired(session: Session, job: Job) -> Job | None:
 
 
 def unsent_or_lost(session: Session, *, now: datetime, grace_s: float, resend_s: float, limit: int = 100) -> list[Job]:
-    """Queued jobs never sent (crash between commit and send) or sent long ago and never claimed."""
-    return list(
-        session.execute(
+    """Queued jobs never sent (crash between commit and send) or sent long ago and never claimed. Two queries, not
+    one with an OR: each is a range scan of its own partial index in that index's order, so LIMIT stops it."""
+    queued = has_status(JobStatus.QUEUED)
+    unsent = session.execute(
+        select(Job)
+        .where(queued, Job.enqueued_at.is_(None), Job.created_at < now - timedelta(seconds=grace_s))
+        .order_by(Job.created_at)  # ix_jobs_queued_unsent
+        .limit(limit)
+        .with_for_update(skip_locked=True)
+    ).scalars()
+    jobs = list(unsent)
+    if len(jobs) < limit:
+        lost = session.execute(
             select(Job)
-            .where(
-                Job.status == JobStatus.QUEUED.value,
-                or_(
-                    and_(Job.enqueued_at.is_(None), Job.created_at < now - timedelta(seconds=grace_s)),
-                    Job.enqueued_at < now - timedelta(seconds=resend_s),
-                ),
-            )
-            .order_by(Job.created_at)
-            .limit(limit)
+            .where(queued, Job.enqueued_at < now - timedelta(seconds=resend_s))
+            .order_by(Job.enqueued_at)  # ix_jobs_queued_sent
+            .limit(limit - len(jobs))
             .with_for_update(skip_locked=True)
         ).scalars()
-    )
+        jobs.extend(lost)
+    return jobs

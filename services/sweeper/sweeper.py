@@ -1,6 +1,7 @@
 """The sweeper: the loop that makes "losing nothing" true.
 
-Each tick, under a Postgres advisory lock (so any number of API replicas can run it, one at a time):
+Each tick runs these steps, each in a short transaction of its own under a Postgres advisory lock (so any number
+of API replicas can run it, one at a time; a step that finds the lock taken ends the tick):
 1. running jobs whose lease expired (dead worker) go back to ``queued`` (or ``failed`` past ``max_attempts``);
 2. queued jobs never sent (crash between commit and send) or sent long ago and never claimed are re-sent;
 3. aging, the anti-starvation rule: a job still queued ``aging_promote_after_s`` after its last send is re-sent
@@ -8,9 +9,16 @@ Each tick, under a Postgres advisory lock (so any number of API replicas can run
    stream of high jobs could hold a low job forever; with it, a low job waits at most about
    2 × aging_promote_after_s before it competes in the high queue, first come first served. The old message is
    dropped by whichever worker meets it later (the job is no longer ``queued`` then);
-4. expired idempotency keys are deleted;
-5. finished jobs with a webhook but no delivery attempt on record are handed to the webhook queue again.
-Messages are registered in the tick's transaction and sent after it commits (shared/dispatch.py).
+4. finished jobs with a webhook but no delivery attempt on record are handed to the webhook queue again (after
+   ``webhook_resend_grace_s``; after a day without one the sweeper gives up on it, as it always has);
+5. expired idempotency keys are deleted, a batch per transaction.
+Messages are registered in the step's transaction and sent after it commits (shared/dispatch.py).
+
+Every step reads an index that holds only what it may act on (shared/models.py) and takes at most a batch, so a
+tick with nothing due costs a few index probes on a table of millions of jobs, and no transaction holds row locks
+for longer than one batch. Splitting the tick lets a second replica interleave its steps with ours between two
+transactions: each step stays correct on its own (rows are taken FOR UPDATE SKIP LOCKED), and the worst it
+causes is a duplicate message, which the worker's claim drops.
 """
 
 from __future__ import annotations
@@ -18,22 +26,28 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from sqlalchemy import delete, exists, func, select, text
+from sqlalchemy import delete, literal, select, text, tuple_, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from shared.celery_app import VidqCelery
 from shared.config import Settings
-from shared.dispatch import send_job_after_commit, send_webhook_after_commit
-from shared.models import IdempotencyKey, Job, WebhookDelivery
+from shared.dispatch import flush_send_records, send_job_after_commit, send_webhook_after_commit
+from shared.models import IdempotencyKey, Job
 from shared.queues import PriorityClass, Queue
-from shared.states import TERMINAL, JobStatus, expired_leases, recover_expired, unsent_or_lost
+from shared.states import JobStatus, expired_leases, has_status, recover_expired, unsent_or_lost
 
 log = logging.getLogger("vidq.sweeper")
 
 _LOCK_KEY = 0x76696471  # "vidq"
+_BATCH = 100  # jobs per step and tick
+_KEY_BATCH = 1000  # idempotency keys per DELETE: one short transaction each
+_KEY_BATCHES_PER_TICK = 10  # 10,000 keys a tick outpaces any submit rate this control plane sustains
+# A webhook the sweeper could not hand over for this long is given up (logged): its mark leaves the index.
+_WEBHOOK_GIVE_UP = timedelta(days=1)
 
 
 @dataclass
@@ -48,35 +62,55 @@ class SweepReport:
 
 
 def _promote_due(session: Session, *, now: datetime, after_s: float) -> list[Job]:
+    """Queued below the high class since its last send for ``after_s``, longest waiting first
+    (ix_jobs_queued_agable). The queue is a literal so that the partial index's predicate is provable even in a
+    prepared statement's generic plan."""
     return list(
         session.execute(
             select(Job)
             .where(
-                Job.status == JobStatus.QUEUED.value,
-                Job.queue != Queue.HIGH.value,
+                has_status(JobStatus.QUEUED),
+                Job.queue != literal(Queue.HIGH.value, literal_execute=True),
                 Job.enqueued_at < now - timedelta(seconds=after_s),
             )
-            .order_by(Job.created_at)
-            .limit(100)
+            .order_by(Job.enqueued_at)
+            .limit(_BATCH)
             .with_for_update(skip_locked=True)
         ).scalars()
     )
 
 
 def _webhooks_due(session: Session, *, now: datetime, grace_s: float) -> list[Job]:
+    """Finished with a webhook URL ``grace_s`` ago and no delivery attempt on record yet, oldest first: the mark
+    set by the finishing transition and cleared by the first attempt (ix_jobs_webhook_pending). Marks older
+    than ``_WEBHOOK_GIVE_UP`` come back too, for the caller to clear."""
     return list(
         session.execute(
             select(Job)
-            .where(
-                Job.status.in_([s.value for s in TERMINAL]),
-                Job.webhook_url.is_not(None),
-                Job.finished_at < now - timedelta(seconds=grace_s),
-                Job.finished_at > now - timedelta(days=1),
-                ~exists().where(WebhookDelivery.job_id == Job.id),
-            )
-            .limit(100)
+            .where(Job.webhook_pending_since < now - timedelta(seconds=grace_s))
+            .order_by(Job.webhook_pending_since)
+            .limit(_BATCH)
+            .with_for_update(skip_locked=True)
         ).scalars()
     )
+
+
+def _expire_keys(session: Session, *, now: datetime, limit: int) -> int:
+    """Delete up to ``limit`` expired idempotency keys (ix_idempotency_keys_expires_at, then the primary key)."""
+    batch = (
+        select(IdempotencyKey.tenant_id, IdempotencyKey.key)
+        .where(IdempotencyKey.expires_at < now)
+        .order_by(IdempotencyKey.expires_at)
+        .limit(limit)
+        .with_for_update(skip_locked=True)
+    )
+    result = session.execute(
+        delete(IdempotencyKey).where(tuple_(IdempotencyKey.tenant_id, IdempotencyKey.key).in_(batch))
+    )
+    return int(getattr(result, "rowcount", 0) or 0)
+
+
+Step = Callable[[Session, datetime, "SweepReport"], int]
 
 
 class Sweeper:
@@ -86,36 +120,8 @@ class Sweeper:
         self.sessions = sessions
 
     def sweep_once(self) -> SweepReport:
-        s = self.settings
         report = SweepReport()
-        with self.sessions() as session, session.begin():
-            if not session.execute(text("SELECT pg_try_advisory_xact_lock(:k)"), {"k": _LOCK_KEY}).scalar():
-                report.skipped = True
-                return report
-            now = session.execute(select(func.now())).scalar_one()
-            for job in expired_leases(session, now=now):
-                after = recover_expired(session, job)
-                if after is None:
-                    continue
-                if after.status == JobStatus.QUEUED.value:
-                    report.requeued.append(after.id)
-                    send_job_after_commit(session, self.celery, after)
-                else:
-                    report.failed.append(after.id)
-                    send_webhook_after_commit(session, self.celery, after)
-            for job in unsent_or_lost(session, now=now, grace_s=s.enqueue_grace_s, resend_s=s.queued_resend_s):
-                if job.id not in report.requeued:
-                    report.resent.append(job.id)
-                    send_job_after_commit(session, self.celery, job)
-            for job in _promote_due(session, now=now, after_s=s.aging_promote_after_s):
-                current = PriorityClass(job.queue.removeprefix("video."))
-                report.promoted.append(job.id)
-                send_job_after_commit(session, self.celery, job, queue=current.promoted().queue.value)
-            expired = session.execute(delete(IdempotencyKey).where(IdempotencyKey.expires_at < now))
-            report.keys_expired = int(getattr(expired, "rowcount", 0) or 0)
-            for job in _webhooks_due(session, now=now, grace_s=s.webhook_resend_grace_s):
-                report.webhooks.append(job.id)
-                send_webhook_after_commit(session, self.celery, job)
+        self._sweep(report)
         if any((report.requeued, report.failed, report.resent, report.promoted, report.webhooks)):
             log.info(
                 "sweep",
@@ -128,6 +134,79 @@ class Sweeper:
                 },
             )
         return report
+
+    def _sweep(self, report: SweepReport) -> None:
+        steps: list[Step] = [self._leases, self._unsent_or_lost, self._aging, self._webhooks]
+        for step in steps:
+            if self._run(step, report) is None:
+                return
+        for _ in range(_KEY_BATCHES_PER_TICK):
+            deleted = self._run(self._keys, report)
+            if deleted is None or deleted < _KEY_BATCH:
+                return
+
+    def _run(self, step: Step, report: SweepReport) -> int | None:
+        """One step in one transaction; None when another replica holds the lock (the tick ends there)."""
+        with self.sessions() as session, session.begin():
+            locked, now = session.execute(text("SELECT pg_try_advisory_xact_lock(:k), now()"), {"k": _LOCK_KEY}).one()
+            if not locked:
+                report.skipped = True
+                return None
+            done = step(session, now, report)
+        # The step's sends are on record before the next step reads the queue, and when the tick ends.
+        flush_send_records(self.celery)
+        return done
+
+    def _leases(self, session: Session, now: datetime, report: SweepReport) -> int:
+        jobs = expired_leases(session, now=now, limit=_BATCH)
+        for job in jobs:
+            after = recover_expired(session, job)
+            if after is None:
+                continue
+            if after.status == JobStatus.QUEUED.value:
+                report.requeued.append(after.id)
+                send_job_after_commit(session, self.celery, after)
+            else:
+                report.failed.append(after.id)
+                send_webhook_after_commit(session, self.celery, after)
+        return len(jobs)
+
+    def _unsent_or_lost(self, session: Session, now: datetime, report: SweepReport) -> int:
+        s = self.settings
+        jobs = unsent_or_lost(session, now=now, grace_s=s.enqueue_grace_s, resend_s=s.queued_resend_s, limit=_BATCH)
+        for job in jobs:
+            # Requeued by step 1 a moment ago: its send is on its way (or failed, and the next tick retries it).
+            if job.id not in report.requeued:
+                report.resent.append(job.id)
+                send_job_after_commit(session, self.celery, job)
+        return len(jobs)
+
+    def _aging(self, session: Session, now: datetime, report: SweepReport) -> int:
+        jobs = _promote_due(session, now=now, after_s=self.settings.aging_promote_after_s)
+        for job in jobs:
+            current = PriorityClass(job.queue.removeprefix("video."))
+            report.promoted.append(job.id)
+            send_job_after_commit(session, self.celery, job, queue=current.promoted().queue.value)
+        return len(jobs)
+
+    def _keys(self, session: Session, now: datetime, report: SweepReport) -> int:
+        deleted = _expire_keys(session, now=now, limit=_KEY_BATCH)
+        report.keys_expired += deleted
+        return deleted
+
+    def _webhooks(self, session: Session, now: datetime, report: SweepReport) -> int:
+        jobs = _webhooks_due(session, now=now, grace_s=self.settings.webhook_resend_grace_s)
+        stale = [
+            job.id for job in jobs if job.webhook_pending_since and job.webhook_pending_since < now - _WEBHOOK_GIVE_UP
+        ]
+        if stale:
+            session.execute(update(Job).where(Job.id.in_(stale)).values(webhook_pending_since=None))
+            log.warning("webhooks never handed over; giving up", extra={"jobs": [str(j) for j in stale]})
+        for job in jobs:
+            if job.id not in stale:
+                report.webhooks.append(job.id)
+                send_webhook_after_commit(session, self.celery, job)
+        return len(jobs)
 
     def run_forever(self, stop: threading.Event) -> None:
         from pathlib import Path

@@ -10,7 +10,7 @@ import uuid
 from datetime import UTC, datetime
 
 from celery import Task, shared_task
-from sqlalchemy import insert, select
+from sqlalchemy import insert, select, update
 from tenacity import RetryCallState, wait_random_exponential
 
 from shared.db import session_scope
@@ -76,6 +76,13 @@ def deliver_webhook(self: Task, job_id: str) -> str:
                 duration_ms=result.duration_ms,
                 response_excerpt=result.response_excerpt,
             )
+        )
+        # An attempt is on record: the sweeper no longer needs to hand this job over (ix_jobs_webhook_pending).
+        session.execute(
+            update(Job)
+            .where(Job.id == jid, Job.webhook_pending_since.is_not(None))
+            .values(webhook_pending_since=None)
+            .execution_options(synchronize_session=False)
         )
     log.info(
         "webhook attempt",

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import time
+from datetime import UTC, datetime, timedelta
 from typing import cast
-from urllib.parse import urlparse
+from urllib.parse import parse_qs, urlparse
 
 import pytest
 import urllib3
@@ -23,7 +24,7 @@ def test_keys_are_deterministic_per_tenant_and_job():
 
 def test_presigned_urls_use_the_public_endpoint_when_set():
     internal = Storage(Settings(s3_endpoint="minio.vidq-data.svc:9000", s3_bucket="vidq"))
-    url = urlparse(internal.presign("videos/t/j.mp4", expiry_s=600))
+    url = urlparse(internal.presign("videos/t/j.mp4", expiry_s=600).url)
     assert (url.scheme, url.netloc) == ("http", "minio.vidq-data.svc:9000")
     public = Storage(
         Settings(
@@ -33,9 +34,36 @@ def test_presigned_urls_use_the_public_endpoint_when_set():
             s3_public_secure=True,
         )
     )
-    url = urlparse(public.presign("videos/t/j.mp4", expiry_s=600))
+    url = urlparse(public.presign("videos/t/j.mp4", expiry_s=600).url)
     assert (url.scheme, url.netloc, url.path) == ("https", "media.example.com", "/vidq/videos/t/j.mp4")
-    assert "X-Amz-Expires=600" in url.query
+    assert "X-Amz-Expires=900" in url.query  # 600 s from the start of its 300 s time bucket at the least
+
+
+def test_presigned_urls_are_signed_per_time_bucket_and_remembered():
+    storage = Storage(Settings(s3_endpoint="minio:9000", s3_bucket="vidq"), presign_bucket_s=300, presign_cache_size=2)
+    start = datetime(2026, 12, 1, 10, 0, tzinfo=UTC)  # a bucket boundary
+    first = storage.presign("a.mp4", expiry_s=600, now=start + timedelta(seconds=1))
+    late = storage.presign("a.mp4", expiry_s=600, now=start + timedelta(seconds=299))
+    assert late is first  # the same bucket: one signature, then a lookup
+    query = parse_qs(urlparse(first.url).query)
+    assert query["X-Amz-Date"] == ["20261201T100000Z"] and query["X-Amz-Expires"] == ["900"]
+    # The reported deadline is the URL's own, and at least expiry_s after every read that got it.
+    assert first.expires_at == start + timedelta(seconds=900) >= start + timedelta(seconds=299 + 600)
+    following = storage.presign("a.mp4", expiry_s=600, now=start + timedelta(seconds=300))
+    assert following.url != first.url and following.expires_at == start + timedelta(seconds=1200)
+    # Bounded: the least recently used entry goes first.
+    storage.presign("b.mp4", expiry_s=600, now=start + timedelta(seconds=300))
+    storage.presign("c.mp4", expiry_s=600, now=start + timedelta(seconds=300))
+    assert len(storage._presigned) == 2
+    assert storage.presign("a.mp4", expiry_s=600, now=start + timedelta(seconds=301)) is not following
+
+
+def test_a_week_long_expiry_is_not_extended_past_what_sigv4_allows():
+    storage = Storage(Settings(s3_endpoint="minio:9000", s3_bucket="vidq"))
+    week = 7 * 24 * 3600
+    url = storage.presign("a.mp4", expiry_s=week - 100).url
+    assert parse_qs(urlparse(url).query)["X-Amz-Expires"] == [str(week)]
+    assert "X-Amz-Expires" in storage.presign("a.mp4", expiry_s=week).url
 
 
 class _LateClient:

@@ -2,7 +2,8 @@
 
 Code that changes a job registers the message in its unit of work (``send_job_after_commit``,
 ``send_webhook_after_commit``); nothing is sent before the transaction commits, nothing at all when it rolls back.
-After the commit each message goes to the broker; the sends are then recorded (``jobs.enqueued_at``) off the hot
+After the commit each message goes to the broker (the API's async submit, which commits without a session, hands
+it to a sender thread: ``send_job_committed``); the sends are then recorded (``jobs.enqueued_at``) off the hot
 path, by one background thread per process that writes them in batches (one UPDATE per queue, every few tens of
 milliseconds), so a submit costs one transaction. Neither step raises: a failed send or a lost record leaves
 ``enqueued_at`` behind the truth, and the sweeper re-sends — a duplicate message is dropped by the worker's claim,
@@ -61,6 +62,13 @@ def send_webhook_after_commit(session: Session, celery: VidqCelery, job: Job) ->
         _register(session, Message(celery, TASK_DELIVER_WEBHOOK, job.id, Queue.WEBHOOKS.value))
 
 
+def send_job_committed(celery: VidqCelery, job: Job) -> None:
+    """For code that committed the job without a SQLAlchemy session (the API's async submit): the message goes
+    out from a background thread of this process, so the response never waits on the broker. A full backlog (the
+    broker down for long) drops the message: the sweeper sends every job left unsent."""
+    _sender(celery).put(Message(celery, TASK_GENERATE, job.id, job.queue))
+
+
 def _register(session: Session, message: Message) -> None:
     session.info.setdefault(_PENDING, []).append(message)
 
@@ -92,7 +100,7 @@ def _send(message: Message) -> bool:
     except Exception as exc:  # broker down: the sweeper sends it later
         log.warning("send failed; the sweeper will resend", extra={**ctx, "error": repr(exc)})
         return False
-    log.info("sent", extra=ctx)
+    log.debug("sent", extra=ctx)  # one per job: at INFO it would cost the hot path a JSON log line
     return True
 
 
@@ -132,8 +140,39 @@ class _SendRecorder:
                 _record_sends([first, *self._drain()], celery=self._celery)
 
 
+class _Sender:
+    """Sends committed messages from a daemon thread, then hands them to the recorder."""
+
+    MAX_BACKLOG = 10_000
+
+    def __init__(self, celery: VidqCelery) -> None:
+        self._queue: queue.Queue[Message] = queue.Queue(maxsize=self.MAX_BACKLOG)
+        threading.Thread(target=self._run, name="vidq-sender", daemon=True).start()
+
+    def put(self, message: Message) -> None:
+        try:
+            self._queue.put_nowait(message)
+        except queue.Full:
+            log.warning("send backlog full; the sweeper will send this job", extra={"job_id": str(message.job_id)})
+
+    def _run(self) -> None:
+        while True:
+            message = self._queue.get()
+            if _send(message) and message.records_send:
+                _recorder(message.celery).add(message)
+
+
 _recorders: dict[int, _SendRecorder] = {}
+_senders: dict[int, _Sender] = {}
 _recorders_lock = threading.Lock()
+
+
+def _sender(celery: VidqCelery) -> _Sender:
+    with _recorders_lock:
+        sender = _senders.get(id(celery))
+        if sender is None:
+            sender = _senders[id(celery)] = _Sender(celery)
+        return sender
 
 
 def _recorder(celery: VidqCelery) -> _SendRecorder:
@@ -145,7 +184,8 @@ def _recorder(celery: VidqCelery) -> _SendRecorder:
 
 
 def _reset_after_fork() -> None:
-    _recorders.clear()  # a parent's thread does not exist in the child
+    _recorders.clear()  # a parent's threads do not exist in the child
+    _senders.clear()
 
 
 def _record_sends(messages: list[Message], *, celery: VidqCelery) -> None:

@@ -14,6 +14,7 @@ from services.api.deps import KeyCache
 from services.api.error_handlers import install_error_handlers
 from services.api.metrics import RequestTiming
 from services.api.routes import events, health, jobs
+from services.api.store import JobStore
 from services.sweeper.sweeper import Sweeper
 from shared.celery_app import make_celery
 from shared.config import Settings, get_settings
@@ -37,6 +38,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.celery = make_celery(settings)
         app.state.storage = Storage(settings)
         app.state.key_cache = KeyCache(ttl_s=settings.api_key_cache_s)
+        app.state.store = JobStore(settings)
+        await app.state.store.open()
         # One Redis pub/sub connection feeds every progress stream of this process (routes/events.py).
         app.state.progress_hub = ProgressHub(settings)
         await app.state.progress_hub.start()
@@ -52,6 +55,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if sweeper_thread is not None:
             sweeper_thread.join(timeout=10)
         await app.state.progress_hub.close()
+        await app.state.store.close()
         app.state.engine.dispose()
 
     app = FastAPI(

@@ -92,4 +92,3 @@ def _lookup(settings: Settings, key_hash: str) -> Caller | None:
 
 
 TenantDep = Annotated[Caller, Depends(get_tenant)]
-

@@ -1,121 +1,124 @@
-"""Submitting and reading jobs: the API's logic, kept out of the route functions."""
+"""Submitting and reading jobs: the API's logic, kept out of the route functions.
+
+The hot paths (submit, read, list) run on the async store (services/api/store.py), one transaction each. A job's
+row is built in one place, ``job_values``; ``create_job`` inserts the same row through a SQLAlchemy session for
+callers that have one (the sweeper's tests, tools)."""
 
 from __future__ import annotations
 
 import base64
 import uuid
 from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import func, select, tuple_
-from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from services.api.deps import Caller
+from services.api.store import JobStore
 from shared.config import Settings
 from shared.errors import Conflict, IdempotencyKeyReused, InvalidRequest, NotFound
-from shared.models import IdempotencyKey, Job
+from shared.models import Job
 from shared.schemas import JobCreate
 from shared.scoring import score_job
 from shared.spec import GenerationSpec
 from shared.states import JobStatus
 
+if TYPE_CHECKING:
+    from services.api.deps import Caller
 
-def create_job(
-    session: Session, settings: Settings, *, tenant: Caller, body: JobCreate, spec: GenerationSpec | None = None
-) -> Job:
-    """Insert the job row (flush only; the caller registers the send and commits)."""
-    spec = spec or body.to_spec(settings)
+
+def job_values(settings: Settings, *, tenant_id: uuid.UUID, body: JobCreate, spec: GenerationSpec) -> dict[str, Any]:
+    """A new job's row (attribute names of ``Job``): queued, scored, with its resolved spec."""
     score = score_job(settings, prompt=spec.prompt, width=spec.width, height=spec.height, duration_s=body.duration_s)
-    job = Job(
-        id=uuid.uuid4(),
-        tenant_id=tenant.id,
-        status=JobStatus.QUEUED.value,
-        spec=spec.to_dict(),
-        duration_s=body.duration_s,
-        webhook_url=body.webhook_url,
-        metadata_=body.metadata,
-        score=score.value,
-        score_complexity=score.complexity,
-        score_resolution=score.resolution,
-        score_duration=score.duration,
-        priority_class=score.priority_class.value,
-        queue=score.priority_class.queue.value,
-        attempt=0,
-        max_attempts=settings.max_attempts,
-        timings={},
-    )
+    return {
+        "id": uuid.uuid4(),
+        "tenant_id": tenant_id,
+        "status": JobStatus.QUEUED.value,
+        "spec": spec.to_dict(),
+        "duration_s": body.duration_s,
+        "webhook_url": body.webhook_url,
+        "metadata_": body.metadata,
+        "score": score.value,
+        "score_complexity": score.complexity,
+        "score_resolution": score.resolution,
+        "score_duration": score.duration,
+        "priority_class": score.priority_class.value,
+        "queue": score.priority_class.queue.value,
+        "attempt": 0,
+        "max_attempts": settings.max_attempts,
+        "timings": {},
+    }
+
+
+def create_job(session: Session, settings: Settings, *, tenant: Caller, body: JobCreate) -> Job:
+    """Insert the job row through a session (flush only; the caller registers the send and commits)."""
+    job = Job(**job_values(settings, tenant_id=tenant.id, body=body, spec=body.to_spec(settings)))
     session.add(job)
     session.flush()
     return job
 
 
-def submit(
-    session: Session,
-    settings: Settings,
-    *,
-    tenant: Caller,
-    body: JobCreate,
-    idempotency_key: str | None,
+async def submit(
+    store: JobStore, settings: Settings, *, tenant: Caller, body: JobCreate, idempotency_key: str | None
 ) -> tuple[Job, bool]:
-    """Returns (job, created). With an Idempotency-Key, the same key and body return the first job; the same key
-    with another body is refused. The key row and the job row commit together."""
+    """Returns (job, created), committed. With an Idempotency-Key, the same key and body return the first job; the
+    same key with another body is refused. The key row and the job row commit together, in one transaction."""
     spec = body.to_spec(settings)  # a body over the caps is refused before anything is looked up or written
-    if idempotency_key is None:
-        return create_job(session, settings, tenant=tenant, body=body, spec=spec), True
-    if not 1 <= len(idempotency_key) <= 200:
+    if idempotency_key is not None and not 1 <= len(idempotency_key) <= 200:
         raise InvalidRequest("Idempotency-Key must be 1..200 characters")
+    values = job_values(settings, tenant_id=tenant.id, body=body, spec=spec)
+    if idempotency_key is None:
+        async with store.transaction() as conn:
+            return await store.insert(conn, values), True
     fingerprint = body.fingerprint()
-    existing = _live_key(session, tenant_id=tenant.id, key=idempotency_key)
-    if existing is None:
-        job = create_job(session, settings, tenant=tenant, body=body, spec=spec)
-        key_row = pg_insert(IdempotencyKey).values(
-            tenant_id=tenant.id,
-            key=idempotency_key,
-            request_hash=fingerprint,
-            job_id=job.id,
-            expires_at=datetime.now(UTC) + timedelta(seconds=settings.idempotency_ttl_s),
-        )
-        # An expired key the sweeper has not deleted yet behaves as a new key: it is taken over.
-        inserted = session.execute(
-            key_row.on_conflict_do_update(
-                index_elements=[IdempotencyKey.tenant_id, IdempotencyKey.key],
-                set_={
-                    "request_hash": key_row.excluded.request_hash,
-                    "job_id": key_row.excluded.job_id,
-                    "expires_at": key_row.excluded.expires_at,
-                    "created_at": func.now(),
-                },
-                where=IdempotencyKey.expires_at <= func.now(),
-            ).returning(IdempotencyKey.key)
-        ).first()
-        if inserted is not None:
-            return job, True
-        # A concurrent request with the same key won the race: drop ours, answer with theirs.
-        session.delete(job)
-        session.flush()
-        existing = _live_key(session, tenant_id=tenant.id, key=idempotency_key)
+    try:
+        async with store.transaction() as conn:
+            existing = await store.live_key(conn, tenant_id=tenant.id, key=idempotency_key)
+            if existing is None:
+                job = await store.insert(conn, values)
+                expires_at = datetime.now(UTC) + timedelta(seconds=settings.idempotency_ttl_s)
+                if not await store.claim_key(
+                    conn,
+                    tenant_id=tenant.id,
+                    key=idempotency_key,
+                    request_hash=fingerprint,
+                    job_id=job.id,
+                    expires_at=expires_at,
+                ):
+                    raise _KeyTaken  # rolls back our job row
+                return job, True
+    except _KeyTaken:
+        # A concurrent request with the same key won the race: answer with theirs.
+        async with store.transaction() as conn:
+            existing = await store.live_key(conn, tenant_id=tenant.id, key=idempotency_key)
         if existing is None:  # theirs expired in the same instant: let the client retry
-            raise Conflict("this Idempotency-Key is being reused concurrently; retry the request")
-    if existing.request_hash != fingerprint:
+            raise Conflict("this Idempotency-Key is being reused concurrently; retry the request") from None
+    return await _replay(store, tenant=tenant, existing=existing, fingerprint=fingerprint), False
+
+
+class _KeyTaken(Exception):
+    """Another transaction holds this Idempotency-Key: ours must roll back."""
+
+
+async def _replay(store: JobStore, *, tenant: Caller, existing: tuple[str, uuid.UUID], fingerprint: str) -> Job:
+    request_hash, job_id = existing
+    if request_hash != fingerprint:
         raise IdempotencyKeyReused(
-            "this Idempotency-Key was used with a different request body",
-            details={"job_id": str(existing.job_id)},
+            "this Idempotency-Key was used with a different request body", details={"job_id": str(job_id)}
         )
-    return get_job(session, tenant_id=tenant.id, job_id=existing.job_id), False
+    return await read(store, tenant_id=tenant.id, job_id=job_id)
 
 
-def _live_key(session: Session, *, tenant_id: uuid.UUID, key: str) -> IdempotencyKey | None:
-    return session.execute(
-        select(IdempotencyKey).where(
-            IdempotencyKey.tenant_id == tenant_id,
-            IdempotencyKey.key == key,
-            IdempotencyKey.expires_at > datetime.now(UTC),
-        )
-    ).scalar_one_or_none()
+async def read(store: JobStore, *, tenant_id: uuid.UUID, job_id: uuid.UUID) -> Job:
+    async with store.transaction() as conn:
+        job = await store.get(conn, tenant_id=tenant_id, job_id=job_id)
+    if job is None:  # another tenant's id is indistinguishable from a missing one (404, never 403)
+        raise NotFound("job not found")
+    return job
 
 
 def get_job(session: Session, *, tenant_id: uuid.UUID, job_id: uuid.UUID) -> Job:
-    # Another tenant's id is indistinguishable from a missing one (404, never 403).
+    """``read`` for code that holds a session (cancel, the webhook log)."""
     job = session.execute(select(Job).where(Job.id == job_id, Job.tenant_id == tenant_id)).scalar_one_or_none()
     if job is None:
         raise NotFound("job not found")
@@ -134,25 +137,12 @@ def decode_cursor(cursor: str) -> tuple[datetime, uuid.UUID]:
         raise InvalidRequest("invalid cursor") from exc
 
 
-def list_jobs(
-    session: Session,
-    *,
-    tenant_id: uuid.UUID,
-    status: JobStatus | None,
-    limit: int,
-    cursor: str | None,
+async def list_jobs(
+    store: JobStore, *, tenant_id: uuid.UUID, status: JobStatus | None, limit: int, cursor: str | None
 ) -> tuple[list[Job], str | None]:
-    """Newest first; keyset pagination on (created_at, id) so pages stay stable while jobs are added. The cursor is
-    a row comparison, which Postgres turns into the start of a range scan of ix_jobs_tenant_newest (or
-    ix_jobs_tenant_status_newest) read in the ORDER BY's own direction: a page at any depth reads ``limit + 1``
-    entries. The equivalent ``created_at < ts OR (created_at = ts AND id < jid)`` is only a filter, so the scan
-    began at the newest job and read through every row above the cursor."""
-    stmt = select(Job).where(Job.tenant_id == tenant_id)
-    if status is not None:
-        stmt = stmt.where(Job.status == status.value)
-    if cursor is not None:
-        ts, jid = decode_cursor(cursor)
-        stmt = stmt.where(tuple_(Job.created_at, Job.id) < tuple_(ts, jid))
-    rows = list(session.execute(stmt.order_by(Job.created_at.desc(), Job.id.desc()).limit(limit + 1)).scalars())
+    """Newest first, ``limit`` a page, with the cursor of the next page (keyset: stable while jobs are added)."""
+    after = decode_cursor(cursor) if cursor is not None else None
+    async with store.transaction() as conn:
+        rows = await store.page(conn, tenant_id=tenant_id, status=status, limit=limit + 1, after=after)
     next_cursor = encode_cursor(rows[limit - 1]) if len(rows) > limit else None
     return rows[:limit], next_cursor

@@ -6,7 +6,7 @@ comment line goes out every 15 s so proxies keep the connection open (sse-starle
 pings and stops the stream when the client goes away).
 
 An open stream holds no database connection and does not poll: the worker publishes each step to Redis and the
-process's ``ProgressHub`` (shared/progress.py) hands it to the stream. Postgres is read in short sessions only:
+process's ``ProgressHub`` (shared/progress.py) hands it to the stream. Postgres is read in short transactions only:
 the caller's key and the job at open, and the job again when the worker says it finished, or after
 ``events_resync_s`` without a message (a message lost to a Redis restart; the sweeper's recoveries publish
 nothing, and this re-read is what ends or updates their streams).
@@ -18,19 +18,18 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.concurrency import run_in_threadpool
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.types import Receive, Scope, Send
 
 from services.api import jobs_service
 from services.api.deps import TenantDep
+from services.api.store import JobStore
 from shared.config import Settings
-from shared.db import session_scope
 from shared.errors import NotFound
 from shared.presenters import present_job
 from shared.progress import ProgressHub, ProgressUpdate, Signal, Subscription
@@ -53,11 +52,12 @@ def _event(event: str, data: dict[str, Any]) -> ServerSentEvent:
     return ServerSentEvent(data=json.dumps(data, default=str), event=event)
 
 
-def _read_job(*, settings: Settings, storage: Storage, tenant_id: uuid.UUID, job_id: uuid.UUID) -> dict[str, Any]:
-    """The job as GET /v1/jobs/{id} shows it, in a session closed before this returns."""
-    with session_scope(settings) as session:
-        job = jobs_service.get_job(session, tenant_id=tenant_id, job_id=job_id)
-        return present_job(job, settings=settings, storage=storage).model_dump(mode="json")
+async def _read_job(
+    *, store: JobStore, settings: Settings, storage: Storage, tenant_id: uuid.UUID, job_id: uuid.UUID
+) -> dict[str, Any]:
+    """The job as GET /v1/jobs/{id} shows it, in one short transaction of the API's async pool."""
+    job = await jobs_service.read(store, tenant_id=tenant_id, job_id=job_id)
+    return present_job(job, settings=settings, storage=storage).model_dump(mode="json")
 
 
 def _from_job(job: dict[str, Any]) -> dict[str, Any]:
@@ -112,11 +112,18 @@ class _StreamResponse(EventSourceResponse):
 async def job_events(job_id: uuid.UUID, request: Request, tenant: TenantDep) -> EventSourceResponse:
     settings: Settings = request.app.state.settings
     hub: ProgressHub = request.app.state.progress_hub
-    read = partial(_read_job, settings=settings, storage=request.app.state.storage, tenant_id=tenant.id, job_id=job_id)
+    read = partial(
+        _read_job,
+        store=request.app.state.store,
+        settings=settings,
+        storage=request.app.state.storage,
+        tenant_id=tenant.id,
+        job_id=job_id,
+    )
     # Subscribe before the first read: whatever the worker publishes after that read reaches this stream.
     subscription = await hub.subscribe(job_id)
     try:
-        job = await run_in_threadpool(read)  # 404 here, before the stream starts
+        job = await read()  # 404 here, before the stream starts
     except BaseException:
         subscription.close()
         raise
@@ -132,7 +139,7 @@ async def _stream(
     job: dict[str, Any] | None,
     *,
     subscription: Subscription,
-    read: Callable[[], dict[str, Any]],
+    read: Callable[[], Awaitable[dict[str, Any]]],
     settings: Settings,
     job_id: uuid.UUID,
 ) -> AsyncIterator[ServerSentEvent]:
@@ -160,7 +167,7 @@ async def _stream(
                 return
             # FINISHED, RESYNC or a long silence: Postgres says where the job is.
             try:
-                job = await run_in_threadpool(read)
+                job = await read()
                 wait_s = settings.events_resync_s
             except NotFound:
                 return

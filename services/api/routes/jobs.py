@@ -1,4 +1,5 @@
-"""/v1/jobs routes: thin; the logic is in services/api/jobs_service.py."""
+"""/v1/jobs routes: thin; the logic is in services/api/jobs_service.py. Submit, read and list are async on the
+store's connection pool (the hot paths); cancel and the webhook log are sync, on a session in the thread pool."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from sqlalchemy import select
 from services.api import jobs_service
 from services.api.deps import SessionDep, SettingsDep, TenantDep
 from services.api.metrics import SUBMITS
-from shared.dispatch import send_job_after_commit, send_webhook_after_commit
+from services.api.store import JobStore
+from shared.dispatch import send_job_committed, send_webhook_after_commit
 from shared.models import WebhookDelivery
 from shared.presenters import present_job
 from shared.schemas import ERROR_RESPONSES, JobCreate, JobOut, JobPage, WebhookDeliveryOut
@@ -21,20 +23,20 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=ERROR_RESPONSES)
 
 
 @router.post("", status_code=202, response_model=JobOut)
-def submit_job(
+async def submit_job(
     body: JobCreate,
     request: Request,
     response: Response,
-    session: SessionDep,
     settings: SettingsDep,
     tenant: TenantDep,
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
 ) -> JobOut:
-    job, created = jobs_service.submit(session, settings, tenant=tenant, body=body, idempotency_key=idempotency_key)
+    store: JobStore = request.app.state.store
+    job, created = await jobs_service.submit(
+        store, settings, tenant=tenant, body=body, idempotency_key=idempotency_key
+    )  # committed: the row and its idempotency key
     if created:
-        send_job_after_commit(session, request.app.state.celery, job)
-    session.commit()  # the row and its idempotency key; the message follows the commit
-    if created:
+        send_job_committed(request.app.state.celery, job)  # the message follows the commit
         SUBMITS.labels(priority_class=job.priority_class).inc()
     else:
         response.headers["Idempotent-Replayed"] = "true"
@@ -43,27 +45,28 @@ def submit_job(
 
 
 @router.get("", response_model=JobPage)
-def list_jobs(
+async def list_jobs(
     request: Request,
-    session: SessionDep,
     settings: SettingsDep,
     tenant: TenantDep,
     status: JobStatus | None = None,
     limit: Annotated[int, Query(ge=1, le=1000, description="at most VIDQ_PAGE_SIZE_MAX are returned")] = 20,
     cursor: str | None = None,
 ) -> JobPage:
-    jobs, next_cursor = jobs_service.list_jobs(
-        session, tenant_id=tenant.id, status=status, limit=min(limit, settings.page_size_max), cursor=cursor
+    jobs, next_cursor = await jobs_service.list_jobs(
+        request.app.state.store,
+        tenant_id=tenant.id,
+        status=status,
+        limit=min(limit, settings.page_size_max),
+        cursor=cursor,
     )
     storage = request.app.state.storage
     return JobPage(data=[present_job(j, settings=settings, storage=storage) for j in jobs], next_cursor=next_cursor)
 
 
 @router.get("/{job_id}", response_model=JobOut)
-def get_job(
-    job_id: uuid.UUID, request: Request, session: SessionDep, settings: SettingsDep, tenant: TenantDep
-) -> JobOut:
-    job = jobs_service.get_job(session, tenant_id=tenant.id, job_id=job_id)
+async def get_job(job_id: uuid.UUID, request: Request, settings: SettingsDep, tenant: TenantDep) -> JobOut:
+    job = await jobs_service.read(request.app.state.store, tenant_id=tenant.id, job_id=job_id)
     return present_job(job, settings=settings, storage=request.app.state.storage)
 
 

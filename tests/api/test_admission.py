@@ -1,0 +1,65 @@
+"""The admission limit on its own (no services): past the limit, requests wait for a slot, then get the 503."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import httpx
+from starlette.types import Receive, Scope, Send
+
+from services.api.admission import AdmissionLimit
+
+
+class _Gate:
+    """An ASGI app whose requests stay in flight until the test opens the gate."""
+
+    def __init__(self) -> None:
+        self.opened = asyncio.Event()
+        self.inside = 0
+        self.most_inside = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.inside += 1
+        self.most_inside = max(self.most_inside, self.inside)
+        if scope["path"] != "/healthz":
+            await self.opened.wait()
+        self.inside -= 1
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+
+async def _burst(n: int, *, path: str = "/v1/jobs") -> tuple[Counter[int], _Gate, list[httpx.Response]]:
+    gate = _Gate()
+    app = AdmissionLimit(gate, limit=3, queue_timeout_s=0.2, retry_after_s=2)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+        pending = [asyncio.create_task(http.get(path)) for _ in range(n)]
+        await asyncio.sleep(0.5)  # past the queue timeout: the overflow has been refused by now
+        gate.opened.set()
+        responses = await asyncio.gather(*pending)
+    return Counter(r.status_code for r in responses), gate, responses
+
+
+def test_at_most_limit_in_flight_and_the_rest_refused_with_retry_after() -> None:
+    statuses, gate, responses = asyncio.run(_burst(10))
+    assert statuses == Counter({200: 3, 503: 7})
+    assert gate.most_inside == 3
+    refused = [r for r in responses if r.status_code == 503]
+    assert all(r.headers["retry-after"] == "2" for r in refused)
+    assert all(r.json()["error"]["code"] == "overloaded" for r in refused)
+
+
+def test_health_checks_are_never_shed() -> None:
+    statuses, _, _ = asyncio.run(_burst(10, path="/healthz"))
+    assert statuses == Counter({200: 10})
+
+
+def test_slots_come_back_after_a_burst() -> None:
+    async def run() -> list[int]:
+        gate = _Gate()
+        gate.opened.set()
+        app = AdmissionLimit(gate, limit=2, queue_timeout_s=0.2, retry_after_s=1)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            return [(await http.get("/v1/jobs")).status_code for _ in range(20)]
+
+    assert asyncio.run(run()) == [200] * 20

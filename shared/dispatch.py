@@ -20,11 +20,11 @@ import time
 import uuid
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any
 
 from sqlalchemy import event, func, update
 from sqlalchemy.orm import Session
 
+from shared.broker import TaskMessage, publisher
 from shared.celery_app import VidqCelery
 from shared.db import session_scope
 from shared.models import Job
@@ -34,8 +34,6 @@ from shared.states import JobStatus
 log = logging.getLogger("vidq.dispatch")
 
 _PENDING = "vidq.after_commit"  # key in Session.info
-# kombu's publish retry: bounded, so a dead broker costs the caller ~1 s, never a hang.
-_RETRY = {"max_retries": 2, "interval_start": 0.1, "interval_step": 0.3, "interval_max": 0.5}
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,8 +74,8 @@ def _register(session: Session, message: Message) -> None:
 @event.listens_for(Session, "after_commit")
 def _after_commit(session: Session) -> None:
     pending: list[Message] = session.info.pop(_PENDING, [])
-    for message in pending:
-        if _send(message) and message.records_send:
+    for message in _send(pending):
+        if message.records_send:
             _recorder(message.celery).add(message)
 
 
@@ -91,17 +89,21 @@ def _after_rollback(session: Session) -> None:
     session.info.pop(_PENDING, None)  # the change is gone, so is its message
 
 
-def _send(message: Message) -> bool:
-    ctx: dict[str, Any] = {"job_id": str(message.job_id), "task": message.task, "queue": message.queue}
+def _send(messages: list[Message]) -> list[Message]:
+    """Publish ``messages`` (one round trip); returns those sent. Never raises: the sweeper resends what failed."""
+    if not messages:
+        return []
     try:
-        message.celery.send_task(
-            message.task, args=[str(message.job_id)], queue=message.queue, retry=True, retry_policy=_RETRY
+        publisher(messages[0].celery).publish([TaskMessage(m.task, m.job_id, m.queue) for m in messages])
+    except Exception as exc:  # broker down: the sweeper sends them later
+        log.warning(
+            "send failed; the sweeper will resend",
+            extra={"jobs": [str(m.job_id) for m in messages], "error": repr(exc)},
         )
-    except Exception as exc:  # broker down: the sweeper sends it later
-        log.warning("send failed; the sweeper will resend", extra={**ctx, "error": repr(exc)})
-        return False
-    log.debug("sent", extra=ctx)  # one per job: at INFO it would cost the hot path a JSON log line
-    return True
+        return []
+    for m in messages:  # one per job: at INFO it would cost the hot path a JSON log line each
+        log.debug("sent", extra={"job_id": str(m.job_id), "task": m.task, "queue": m.queue})
+    return messages
 
 
 class _SendRecorder:
@@ -144,6 +146,7 @@ class _Sender:
     """Sends committed messages from a daemon thread, then hands them to the recorder."""
 
     MAX_BACKLOG = 10_000
+    MAX_BATCH = 200
 
     def __init__(self, celery: VidqCelery) -> None:
         self._queue: queue.Queue[Message] = queue.Queue(maxsize=self.MAX_BACKLOG)
@@ -157,9 +160,15 @@ class _Sender:
 
     def _run(self) -> None:
         while True:
-            message = self._queue.get()
-            if _send(message) and message.records_send:
-                _recorder(message.celery).add(message)
+            batch = [self._queue.get()]  # blocks until there is something to send
+            while len(batch) < self.MAX_BATCH:  # and takes whatever else is waiting: one round trip for all
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            for message in _send(batch):
+                if message.records_send:
+                    _recorder(message.celery).add(message)
 
 
 _recorders: dict[int, _SendRecorder] = {}

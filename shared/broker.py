@@ -1,0 +1,97 @@
+"""Task messages onto the Redis broker in batches: many messages, one round trip.
+
+``celery.send_task`` costs ~0.9 ms of CPU per message on a 2-core machine (producer pool, routing, kombu's
+publish path) and one Redis round trip each; under a burst of submits that was the largest single cost of the API
+(benchmarks/results/api_load_*.md). Here the message is built by Celery itself (``app.amqp.as_task_v2``: task
+protocol 2, the headers and body every Celery worker reads) and wrapped exactly as kombu's Redis transport wraps it
+(JSON envelope, base64 body, ``delivery_info`` of the default exchange, ``delivery_tag``), then LPUSHed to the
+queue's list (with ``broker_key_prefix``) in one pipeline. tests/shared/test_broker.py checks the envelope against
+one kombu writes; every integration test's worker consumes these messages.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from celery.utils.nodenames import anon_nodename
+
+from shared.celery_app import VidqCelery
+
+
+@dataclass(frozen=True, slots=True)
+class TaskMessage:
+    task: str
+    job_id: uuid.UUID
+    queue: str
+
+
+def envelope(celery: VidqCelery, message: TaskMessage, *, origin: str) -> str:
+    """The JSON string kombu's Redis transport would LPUSH for ``send_task(task, args=[job_id], queue=queue)``."""
+    task_id = str(uuid.uuid4())
+    args = [str(message.job_id)]
+    task = celery.amqp.as_task_v2(task_id, message.task, args=args, kwargs={}, argsrepr=repr(args), origin=origin)
+    body = json.dumps(task.body).encode()
+    return json.dumps(
+        {
+            "body": base64.b64encode(body).decode("ascii"),
+            "content-encoding": "utf-8",
+            "content-type": "application/json",
+            "headers": task.headers,
+            "properties": {
+                **task.properties,
+                "delivery_mode": 2,  # persistent
+                "delivery_info": {"exchange": "", "routing_key": message.queue},
+                "priority": 0,
+                "body_encoding": "base64",
+                "delivery_tag": str(uuid.uuid4()),
+            },
+        }
+    )
+
+
+class Publisher:
+    """One Redis client per process (thread-safe pool), with the settings' socket timeouts."""
+
+    def __init__(self, celery: VidqCelery) -> None:
+        settings = celery.settings
+        self.celery = celery
+        self.prefix = settings.broker_key_prefix
+        self.origin = anon_nodename()
+        self.client = redis.Redis.from_url(
+            str(settings.broker_url),
+            socket_timeout=settings.redis_socket_timeout_s,
+            socket_connect_timeout=settings.redis_socket_timeout_s,
+        )
+
+    def publish(self, messages: Sequence[TaskMessage]) -> None:
+        """All of ``messages`` in one round trip. Raises redis errors: the caller decides (the sweeper resends)."""
+        pipe = self.client.pipeline(transaction=False)
+        for message in messages:
+            pipe.lpush(f"{self.prefix}{message.queue}", envelope(self.celery, message, origin=self.origin))
+        pipe.execute()
+
+
+_publishers: dict[int, Publisher] = {}
+_lock = threading.Lock()
+
+
+def publisher(celery: VidqCelery) -> Publisher:
+    with _lock:
+        found = _publishers.get(id(celery))
+        if found is None:
+            found = _publishers[id(celery)] = Publisher(celery)
+        return found
+
+
+def decode(raw: bytes | str) -> dict[str, Any]:
+    """A stored message with its body decoded (for tests and debugging)."""
+    message: dict[str, Any] = json.loads(raw)
+    message["body"] = json.loads(base64.b64decode(message["body"]))
+    return message

@@ -163,33 +163,76 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-async def open_loop(target: Target, run: Run, *, method: str, path: str | list[str]) -> Run:
-    headers = {"Authorization": f"Bearer {target.key}"}
-    limits = httpx.Limits(max_connections=2000, max_keepalive_connections=2000)
-    async with httpx.AsyncClient(base_url=target.url, headers=headers, limits=limits, timeout=10.0) as http:
-        total = int(run.rate * run.seconds)
-        cpu0 = target.cpu_s()
-        t0 = time.perf_counter() + 0.05
+class RawHttp:
+    """A minimal HTTP/1.1 client over a stack of keep-alive connections (a new one when none is free). httpx's
+    async pool spends CPU that grows with the number of waiting requests, which on the API's own cores would
+    throttle the generator exactly when the server falls behind; this costs a few tens of microseconds."""
 
-        async def one(i: int, scheduled: float) -> None:
-            url = path[i % len(path)] if isinstance(path, list) else path
+    def __init__(self, port: int, key: str) -> None:
+        self.port, self.key = port, key
+        self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    async def request(self, method: str, path: str, body: bytes = b"") -> int:
+        if self.idle:
             try:
-                r = await http.request(method, url, json=BODY if method == "POST" else None)
-                run.statuses[r.status_code] += 1
-                if 200 <= r.status_code < 300:
-                    run.latencies_ms.append((time.perf_counter() - scheduled) * 1000)
-            except httpx.HTTPError as exc:
-                run.errors[type(exc).__name__] += 1
+                return await self._exchange(self.idle.pop(), method, path, body)
+            except (OSError, asyncio.IncompleteReadError, IndexError):
+                pass  # the server closed an idle connection (keep-alive timeout): once more on a fresh one
+        return await self._exchange(await asyncio.open_connection("127.0.0.1", self.port), method, path, body)
 
-        tasks = []
-        for i in range(total):
-            scheduled = t0 + i / run.rate
-            delay = scheduled - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(i, scheduled)))
-        await asyncio.gather(*tasks)
-        run.cpu_ms = (target.cpu_s() - cpu0) * 1000
+    async def _exchange(
+        self, conn: tuple[asyncio.StreamReader, asyncio.StreamWriter], method: str, path: str, body: bytes
+    ) -> int:
+        reader, writer = conn
+        head = (
+            f"{method} {path} HTTP/1.1\r\nhost: bench\r\nauthorization: Bearer {self.key}\r\n"
+            f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+        )
+        writer.write(head.encode() + body)
+        status_line = await reader.readline()
+        length, close = 0, False
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.decode("latin-1").partition(":")
+            if name.lower() == "content-length":
+                length = int(value)
+            elif name.lower() == "connection" and "close" in value.lower():
+                close = True
+        await reader.readexactly(length)
+        if close or not status_line:
+            writer.close()
+        else:
+            self.idle.append(conn)
+        return int(status_line.split()[1])
+
+
+async def open_loop(target: Target, run: Run, *, method: str, path: str | list[str]) -> Run:
+    http = RawHttp(target.port, target.key)
+    body = json.dumps(BODY).encode() if method == "POST" else b""
+    total = int(run.rate * run.seconds)
+    cpu0 = target.cpu_s()
+    t0 = time.perf_counter() + 0.05
+
+    async def one(i: int, scheduled: float) -> None:
+        url = path[i % len(path)] if isinstance(path, list) else path
+        try:
+            status = await asyncio.wait_for(http.request(method, url, body), timeout=10.0)
+            run.statuses[status] += 1
+            if 200 <= status < 300:
+                run.latencies_ms.append((time.perf_counter() - scheduled) * 1000)
+        except (OSError, TimeoutError, asyncio.IncompleteReadError, ValueError, IndexError) as exc:
+            run.errors[type(exc).__name__] += 1
+
+    tasks = []
+    for i in range(total):
+        scheduled = t0 + i / run.rate
+        delay = scheduled - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(i, scheduled)))
+    await asyncio.gather(*tasks)
+    run.cpu_ms = (target.cpu_s() - cpu0) * 1000
+    for _, writer in http.idle:
+        writer.close()
     return run
 
 
@@ -241,8 +284,8 @@ def bench(target: Target, *, submit_rates: list[float], read_rates: list[float],
         if not alive:
             break
         run = asyncio.run(open_loop(target, Run("submit", rate, seconds), method="POST", path="/v1/jobs"))
-        if run.server_errors == 0 and not run.errors and run.pct(0.99) < 50:
-            best = max(best, run.ok / seconds)
+        if run.server_errors == 0 and not run.errors:
+            best = max(best, run.ok / seconds)  # the peak: the most 2xx/s a run sustained without failures
         alive = record(run)
     if not alive:
         return [*lines, "", "The API stopped answering (wedged) — " + "; ".join(notes), ""]
@@ -253,7 +296,7 @@ def bench(target: Target, *, submit_rates: list[float], read_rates: list[float],
     recovered = asyncio.run(recovery_s(target))
     lines += [
         "",
-        f"Peak sustained submit rate (0 errors, p99 < 50 ms): {peak:.0f}/s. Overload at {burst.rate:.0f}/s for "
+        f"Peak submit goodput (no 5xx but 503, no client error): {peak:.0f}/s. Overload at {burst.rate:.0f}/s for "
         f"{burst.seconds:.0f} s: {burst.server_errors} 5xx other than 503, {burst.statuses[503]} shed with 503, "
         f"{sum(burst.errors.values())} client timeouts, goodput {burst.ok / burst.seconds:.0f}/s = "
         f"{100 * burst.ok / burst.seconds / peak:.0f}% of peak, recovery {recovered:.2f} s.",

@@ -5,8 +5,8 @@ pre-0002 forms, in one run.
 
 It makes a database of its own on the local Postgres (vidq_bench_<hex>; dropped at the end), migrates it, fills
 ``jobs`` with ``benchmarks.db_data.fill`` (a month of jobs, nothing due for the sweeper), ANALYZEs, and measures:
-  list      ``list_jobs`` as GET /v1/jobs calls it, 100 a page: first page, status-filtered page, cursor page at
-            depth ``--depth``; open loop at ``--rate`` req/s for ``--seconds`` (request i is scheduled at
+  list      the SQL GET /v1/jobs sends (services/api/store.py ``list_query``), 100 a page: first page,
+            status-filtered page, cursor page at depth ``--depth``; open loop at ``--rate`` req/s for ``--seconds`` (request i is scheduled at
             t0 + i/rate and its latency counts from then, so falling behind is charged for its queue)
   before    the same cursor page with the OR cursor this replaced; the old ``_webhooks_due`` (a scan of finished
             jobs for a missing delivery row) beside today's
@@ -37,7 +37,8 @@ from sqlalchemy import and_, create_engine, exists, func, or_, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from benchmarks.db_data import QUEUED, RUNNING, capture_sql, explain, fill, plan_line
-from services.api.jobs_service import encode_cursor, list_jobs
+from services.api.jobs_service import decode_cursor, encode_cursor
+from services.api.store import list_query
 from services.sweeper.sweeper import Sweeper, _webhooks_due
 from shared.celery_app import make_celery
 from shared.config import Settings
@@ -175,8 +176,11 @@ def run(args: argparse.Namespace, name: str) -> str:
     statuses = [JobStatus.FAILED, JobStatus.SUCCEEDED, JobStatus.CANCELLED]
 
     def page(tenant: uuid.UUID, status: JobStatus | None = None, cursor: str | None = None) -> None:
+        # The SQL the API's async store sends for GET /v1/jobs (services/api/store.py), here through a session.
+        after = decode_cursor(cursor) if cursor else None
+        sql, params = list_query(tenant_id=tenant, status=status, limit=101, after=after)
         with sessions() as session:
-            list_jobs(session, tenant_id=tenant, status=status, limit=100, cursor=cursor)
+            session.connection().exec_driver_sql(sql, params).fetchall()
 
     def old_deep(k: int) -> None:
         with sessions() as session:

@@ -82,6 +82,16 @@ def _list_sql(*, status: JobStatus | None, after: bool) -> str:
 _LIST = {(s, after): _list_sql(status=s, after=after) for s in [None, *JobStatus] for after in (False, True)}
 
 
+def list_query(
+    *, tenant_id: uuid.UUID, status: JobStatus | None, limit: int, after: tuple[datetime, uuid.UUID] | None
+) -> tuple[str, dict[str, Any]]:
+    """The SQL and parameters of one list page, as ``JobStore.page`` sends them (query-plan tests EXPLAIN these)."""
+    params: dict[str, Any] = {"tenant_id": tenant_id, "limit": limit}
+    if after is not None:
+        params["ts"], params["jid"] = after
+    return _LIST[(status, after is not None)], params
+
+
 def job_from_row(row: TupleRow) -> Job:
     job = Job()
     for (_, attr), value in zip(_ATTRS, row, strict=True):
@@ -186,8 +196,6 @@ class JobStore:
         limit: int,
         after: tuple[datetime, uuid.UUID] | None,
     ) -> list[Job]:
-        params: dict[str, Any] = {"tenant_id": tenant_id, "limit": limit}
-        if after is not None:
-            params["ts"], params["jid"] = after
-        cur = await conn.execute(_LIST[(status, after is not None)], params)
+        sql, params = list_query(tenant_id=tenant_id, status=status, limit=limit, after=after)
+        cur = await conn.execute(sql, params)
         return [job_from_row(row) for row in await cur.fetchall()]

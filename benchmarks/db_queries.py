@@ -6,7 +6,8 @@ pre-0002 forms, in one run.
 It makes a database of its own on the local Postgres (vidq_bench_<hex>; dropped at the end), migrates it, fills
 ``jobs`` with ``benchmarks.db_data.fill`` (a month of jobs, nothing due for the sweeper), ANALYZEs, and measures:
   list      the SQL GET /v1/jobs sends (services/api/store.py ``list_query``), 100 a page: first page,
-            status-filtered page, cursor page at depth ``--depth``; open loop at ``--rate`` req/s for ``--seconds`` (request i is scheduled at
+            status-filtered page, cursor page at depth ``--depth``; open loop at ``--rate`` req/s for
+            ``--seconds`` (request i is scheduled at
             t0 + i/rate and its latency counts from then, so falling behind is charged for its queue)
   before    the same cursor page with the OR cursor this replaced; the old ``_webhooks_due`` (a scan of finished
             jobs for a missing delivery row) beside today's

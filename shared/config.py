@@ -124,9 +124,12 @@ class Settings(BaseSettings):
 
     # --- webhooks -----------------------------------------------------------------------------------------------
     webhook_timeout_s: float = 10.0
-    webhook_max_attempts: int = 6
-    webhook_backoff_base_s: float = 2.0
-    webhook_backoff_max_s: float = 600.0
+    # Delays after failed attempts 1, 2, …; attempt 1 is immediate, the last one is followed by none (gave_up).
+    # Standard Webhooks / Svix: 5 s, 5 min, 30 min, 2 h, 5 h, 10 h, 10 h (8 attempts over about 28 h).
+    webhook_schedule_s: list[float] = Field(
+        default_factory=lambda: [5.0, 300.0, 1800.0, 7200.0, 18000.0, 36000.0, 36000.0]
+    )
+    webhook_schedule_jitter: float = Field(default=0.1, ge=0, le=1)  # each delay × a factor in [1 - this, 1 + this]
     webhook_resend_grace_s: float = 60.0  # a finished job with no delivery attempt after this is handed over again
     webhook_allow_private: bool = False  # loopback/private/link-local targets (tests and the demo only)
 

@@ -156,7 +156,21 @@ class IdempotencyKey(Base):
 
 
 class WebhookDelivery(Base):
+    """One delivery attempt. The latest attempt of a job and event (the one not ``superseded``) says what happens
+    next: ``next_attempt_at`` set = a retry is planned (the sweeper hands it over when due), null = done
+    (delivered, or given up). migrations/versions/0003 explains the columns and indexes."""
+
     __tablename__ = "webhook_deliveries"
+    __table_args__ = (
+        # Sweeper: the latest attempts with a retry planned, by due time (O(due), not O(table)).
+        Index(
+            "ix_webhook_deliveries_due",
+            "next_attempt_at",
+            postgresql_where=text("next_attempt_at IS NOT NULL AND NOT superseded"),
+        ),
+        # GET /v1/webhooks/deliveries: the latest attempts that failed, newest first.
+        Index("ix_webhook_deliveries_failed", text("id DESC"), postgresql_where=text("NOT ok AND NOT superseded")),
+    )
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
     job_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
@@ -170,3 +184,6 @@ class WebhookDelivery(Base):
     duration_ms: Mapped[int] = mapped_column(Integer)
     response_excerpt: Mapped[str] = mapped_column(Text, default="")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    next_attempt_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    handed_over_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))  # by the sweeper (a lease)
+    superseded: Mapped[bool] = mapped_column(Boolean, default=False, server_default=text("false"))

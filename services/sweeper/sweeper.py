@@ -11,7 +11,10 @@ of API replicas can run it, one at a time; a step that finds the lock taken ends
    dropped by whichever worker meets it later (the job is no longer ``queued`` then);
 4. finished jobs with a webhook but no delivery attempt on record are handed to the webhook queue again (after
    ``webhook_resend_grace_s``; after a day without one the sweeper gives up on it, as it always has);
-5. expired idempotency keys are deleted, a batch per transaction.
+5. webhook retries that are due (``webhook_deliveries.next_attempt_at``, planned by the schedule in
+   shared/webhooks/schedule.py) are handed to the webhook queue; the hand-over is a lease (``handed_over_at``): a
+   lost message is handed over again after ``webhook_resend_grace_s``;
+6. expired idempotency keys are deleted, a batch per transaction.
 Messages are registered in the step's transaction and sent after it commits (shared/dispatch.py).
 
 Every step reads an index that holds only what it may act on (shared/models.py) and takes at most a batch, so a
@@ -30,13 +33,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from sqlalchemy import delete, literal, select, text, tuple_, update
+from sqlalchemy import delete, literal, or_, select, text, tuple_, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from shared.celery_app import VidqCelery
 from shared.config import Settings
 from shared.dispatch import flush_send_records, send_job_after_commit, send_webhook_after_commit
-from shared.models import IdempotencyKey, Job
+from shared.models import IdempotencyKey, Job, WebhookDelivery
 from shared.queues import PriorityClass, Queue
 from shared.states import JobStatus, expired_leases, has_status, recover_expired, unsent_or_lost
 
@@ -57,6 +60,7 @@ class SweepReport:
     resent: list[uuid.UUID] = field(default_factory=list)
     promoted: list[uuid.UUID] = field(default_factory=list)
     webhooks: list[uuid.UUID] = field(default_factory=list)
+    webhook_retries: list[uuid.UUID] = field(default_factory=list)
     keys_expired: int = 0
     skipped: bool = False
 
@@ -95,6 +99,28 @@ def _webhooks_due(session: Session, *, now: datetime, grace_s: float) -> list[Jo
     )
 
 
+def _webhook_retries_due(session: Session, *, now: datetime, grace_s: float) -> list[tuple[WebhookDelivery, Job]]:
+    """The latest attempts whose retry is due, not handed over in the last ``grace_s``, earliest first
+    (ix_webhook_deliveries_due: only the latest attempts with a retry planned are in it)."""
+    rows = session.execute(
+        select(WebhookDelivery, Job)
+        .join(Job, Job.id == WebhookDelivery.job_id)
+        .where(
+            WebhookDelivery.next_attempt_at.is_not(None),
+            ~WebhookDelivery.superseded,
+            WebhookDelivery.next_attempt_at <= now,
+            or_(
+                WebhookDelivery.handed_over_at.is_(None),
+                WebhookDelivery.handed_over_at < now - timedelta(seconds=grace_s),
+            ),
+        )
+        .order_by(WebhookDelivery.next_attempt_at)
+        .limit(_BATCH)
+        .with_for_update(of=WebhookDelivery, skip_locked=True)
+    ).all()
+    return [(delivery, job) for delivery, job in rows]
+
+
 def _expire_keys(session: Session, *, now: datetime, limit: int) -> int:
     """Delete up to ``limit`` expired idempotency keys (ix_idempotency_keys_expires_at, then the primary key)."""
     batch = (
@@ -122,7 +148,9 @@ class Sweeper:
     def sweep_once(self) -> SweepReport:
         report = SweepReport()
         self._sweep(report)
-        if any((report.requeued, report.failed, report.resent, report.promoted, report.webhooks)):
+        if any(
+            (report.requeued, report.failed, report.resent, report.promoted, report.webhooks, report.webhook_retries)
+        ):
             log.info(
                 "sweep",
                 extra={
@@ -131,12 +159,13 @@ class Sweeper:
                     "resent": len(report.resent),
                     "promoted": len(report.promoted),
                     "webhooks": len(report.webhooks),
+                    "webhook_retries": len(report.webhook_retries),
                 },
             )
         return report
 
     def _sweep(self, report: SweepReport) -> None:
-        steps: list[Step] = [self._leases, self._unsent_or_lost, self._aging, self._webhooks]
+        steps: list[Step] = [self._leases, self._unsent_or_lost, self._aging, self._webhooks, self._webhook_retries]
         for step in steps:
             if self._run(step, report) is None:
                 return
@@ -207,6 +236,14 @@ class Sweeper:
                 report.webhooks.append(job.id)
                 send_webhook_after_commit(session, self.celery, job)
         return len(jobs)
+
+    def _webhook_retries(self, session: Session, now: datetime, report: SweepReport) -> int:
+        due = _webhook_retries_due(session, now=now, grace_s=self.settings.webhook_resend_grace_s)
+        for delivery, job in due:
+            delivery.handed_over_at = now
+            report.webhook_retries.append(job.id)
+            send_webhook_after_commit(session, self.celery, job)
+        return len(due)
 
     def run_forever(self, stop: threading.Event) -> None:
         from pathlib import Path

@@ -1,42 +1,59 @@
 """Webhook delivery: a Celery task on its own queue. Each attempt is one signed POST (Standard Webhooks), no
 redirects followed, the resolved address checked at connect time; every attempt is written to
-``webhook_deliveries``. The message id is deterministic per job and event, so a receiver can drop duplicates."""
+``webhook_deliveries``. The message id is deterministic per job and event, so a receiver can drop duplicates.
+
+Retries follow the schedule in shared/webhooks/schedule.py and are kept in Postgres, not in a broker countdown:
+a retryable failure records when the next attempt is due (``next_attempt_at``), the sweeper hands the due attempt
+back to this task, and the task makes attempt ``last + 1``. So a worker restart, a Redis restart or a receiver
+down for hours delays the event, never loses it. A message that finds no attempt due (a duplicate, or one sent
+for an event already delivered) is dropped: the latest attempt on record decides.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
 import uuid
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 from celery import Task, shared_task
-from sqlalchemy import insert, select, update
-from tenacity import RetryCallState, wait_random_exponential
+from sqlalchemy import func, insert, select, update
 
+from shared.config import Settings
 from shared.db import session_scope
 from shared.models import Job, Tenant, WebhookDelivery
 from shared.presenters import present_job
 from shared.queues import TASK_DELIVER_WEBHOOK
 from shared.states import JobStatus
+from shared.webhooks.schedule import message_id, next_delay_s
 from shared.webhooks.signing import build_event, sign
-from shared.webhooks.transport import deliver
+from shared.webhooks.transport import DeliveryResult, deliver
 
 log = logging.getLogger("vidq.webhooks")
 
-
-def retry_delay_s(attempt: int, *, base_s: float, max_s: float) -> float:
-    """Delay after failed attempt ``attempt`` (1-based): uniform in [0, min(max_s, base_s * 2**(attempt-1))].
-    Full jitter spreads the retries of many failed deliveries instead of sending them in waves."""
-    state = RetryCallState(retry_object=None, fn=None, args=(), kwargs={})  # type: ignore[arg-type]
-    state.attempt_number = attempt
-    return float(wait_random_exponential(multiplier=base_s, max=max_s)(state))
+GONE = 410  # the receiver says the endpoint is gone for good: no retry, whatever the schedule says
 
 
-@shared_task(name=TASK_DELIVER_WEBHOOK, bind=True, acks_late=True, ignore_result=True, max_retries=None)
+def outcome(result: DeliveryResult, *, attempt: int, settings: Settings) -> tuple[str, float | None]:
+    """What follows an attempt: ``(outcome, seconds to the next attempt or None)``. 2xx → delivered; 410 →
+    gone; other non-retryable answers (4xx but 408/429, redirects, refused addresses) → gave_up; a retryable
+    failure → the next attempt of the schedule, or gave_up after its last."""
+    if result.ok:
+        return "delivered", None
+    if result.status_code == GONE:
+        return "gone", None
+    if not result.retryable:
+        return "gave_up", None
+    delay = next_delay_s(attempt, schedule=settings.webhook_schedule_s, jitter=settings.webhook_schedule_jitter)
+    return ("gave_up", None) if delay is None else ("retry_scheduled", delay)
+
+
+@shared_task(name=TASK_DELIVER_WEBHOOK, bind=True, acks_late=True, ignore_result=True)
 def deliver_webhook(self: Task, job_id: str) -> str:
-    settings = self.app.settings
+    settings: Settings = self.app.settings
     jid = uuid.UUID(job_id)
-    ctx = {"job_id": job_id}
+    # 1. The job, its tenant's secret, and whether an attempt is due: none on record yet, or the latest one
+    #    has a retry planned (or a redelivery asked) for now or earlier, on the database's clock.
     with session_scope(settings) as session:
         row = session.execute(
             select(Job, Tenant.webhook_secret).join(Tenant, Tenant.id == Job.tenant_id).where(Job.id == jid)
@@ -47,14 +64,27 @@ def deliver_webhook(self: Task, job_id: str) -> str:
         if not job.webhook_url or not JobStatus(job.status).is_terminal():
             return "nothing_to_send"
         event_type = f"job.{job.status}"
+        latest = session.execute(
+            select(WebhookDelivery.attempt, WebhookDelivery.next_attempt_at <= func.now())
+            .where(
+                WebhookDelivery.job_id == jid,
+                WebhookDelivery.event_type == event_type,
+                ~WebhookDelivery.superseded,
+            )
+            .order_by(WebhookDelivery.attempt.desc())
+            .limit(1)
+        ).first()
+        if latest is not None and not latest[1]:
+            return "not_due"  # delivered, given up, or its retry is not due yet: the sweeper hands it over then
+        attempt = 1 if latest is None else latest[0] + 1
         payload = build_event(
             event_type=event_type,
             job=present_job(job, settings=settings, storage=self.app.storage).model_dump(mode="json"),
         )
         url = job.webhook_url
-    msg_id = f"msg_{job_id.replace('-', '')}_{event_type.split('.')[1]}"
+    # 2. One guarded POST, outside any transaction (it may take webhook_timeout_s).
+    msg_id = message_id(jid, event_type)
     body = json.dumps(payload, separators=(",", ":")).encode()
-    attempt = self.request.retries + 1
     result = deliver(
         url,
         body=body,
@@ -62,7 +92,19 @@ def deliver_webhook(self: Task, job_id: str) -> str:
         timeout_s=settings.webhook_timeout_s,
         allow_private=settings.webhook_allow_private,
     )
+    done, delay = outcome(result, attempt=attempt, settings=settings)
+    # 3. The attempt on record, as the latest of its job and event; the next one planned when there is one.
     with session_scope(settings) as session:
+        session.execute(
+            update(WebhookDelivery)
+            .where(
+                WebhookDelivery.job_id == jid,
+                WebhookDelivery.event_type == event_type,
+                ~WebhookDelivery.superseded,
+            )
+            .values(superseded=True)
+            .execution_options(synchronize_session=False)
+        )
         session.execute(
             insert(WebhookDelivery).values(
                 job_id=jid,
@@ -75,6 +117,7 @@ def deliver_webhook(self: Task, job_id: str) -> str:
                 error=result.error,
                 duration_ms=result.duration_ms,
                 response_excerpt=result.response_excerpt,
+                next_attempt_at=None if delay is None else func.now() + timedelta(seconds=delay),
             )
         )
         # An attempt is on record: the sweeper no longer needs to hand this job over (ix_jobs_webhook_pending).
@@ -87,16 +130,13 @@ def deliver_webhook(self: Task, job_id: str) -> str:
     log.info(
         "webhook attempt",
         extra={
-            **ctx,
+            "job_id": job_id,
             "attempt": attempt,
             "ok": result.ok,
             "status": result.status_code,
             "error": result.error,
+            "outcome": done,
+            "next_in_s": delay,
         },
     )
-    if result.ok:
-        return "delivered"
-    if result.retryable and attempt < settings.webhook_max_attempts:
-        delay = retry_delay_s(attempt, base_s=settings.webhook_backoff_base_s, max_s=settings.webhook_backoff_max_s)
-        raise self.retry(countdown=delay)
-    return "gave_up"
+    return done

@@ -1,5 +1,6 @@
-"""Webhook delivery through the real task: retries with backoff, every attempt on record, failed and cancelled
-events, and the sweeper's housekeeping."""
+"""Webhook delivery through the real task: retries on the schedule (handed over by the sweeper), every attempt on
+record, failed and cancelled events, and the sweeper's housekeeping. The schedule's own cases (outages, a worker
+crash between attempts, 410, redelivery) are in test_webhook_schedule.py."""
 
 from __future__ import annotations
 
@@ -57,28 +58,33 @@ def flaky():
     r.server.server_close()
 
 
-def deliveries(client, job_id: str, count: int, timeout_s: float = 30) -> list[dict[str, Any]]:
+def deliveries(client, job_id: str, count: int, *, sweep=None, timeout_s: float = 30) -> list[dict[str, Any]]:
+    """The job's delivery log once it holds ``count`` attempts; retries happen when ``sweep`` hands them over."""
     deadline = time.monotonic() + timeout_s
     rows: list[dict[str, Any]] = []
     while time.monotonic() < deadline:
         rows = client.get(f"/v1/jobs/{job_id}/webhooks").json()
         if len(rows) >= count:
             return rows
+        if sweep is not None:
+            sweep.sweep_once()
         time.sleep(0.2)
     raise AssertionError(f"expected {count} delivery attempts, got {rows}")
 
 
-def test_retries_until_delivered_with_one_message_id(client, start_worker, flaky, tenant_key):
+def test_retries_until_delivered_with_one_message_id(client, start_worker, flaky, tenant_key, settings):
     start_worker("all")
     job = submit(client, webhook_url=flaky.url)
     wait_job(client, job["id"], {"succeeded"})
-    rows = deliveries(client, job["id"], 3)
+    rows = deliveries(client, job["id"], 3, sweep=sweeper(settings))
     assert [(r["attempt"], r["ok"], r["status_code"]) for r in rows] == [
         (1, False, 503),
         (2, False, 503),
         (3, True, 200),
     ]
     assert rows[0]["error"] == "http_5xx"
+    # Failed attempts say when the next one was planned (the schedule's 0.2 s, then 0.5 s, ±10%).
+    assert [r["next_attempt_at"] is not None for r in rows] == [True, True, False]
     ids = {r["headers"]["webhook-id"] for r in flaky.requests}
     assert ids == {rows[0]["msg_id"]}  # the same id on every retry: receivers dedupe on it
     wh = Webhook(tenant_key["webhook_secret"])

@@ -13,6 +13,7 @@ import ssl
 import subprocess
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta, timezone
@@ -23,7 +24,9 @@ from typing import Any
 import pytest
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
-from services.webhooks.tasks import retry_delay_s
+from services.webhooks.tasks import outcome
+from shared.config import Settings
+from shared.webhooks.schedule import message_id, next_delay_s
 from shared.webhooks.signing import USER_AGENT, build_event, new_secret, sign
 from shared.webhooks.transport import EXCERPT_CHARS, DeliveryResult, GuardedBackend, deliver
 from shared.webhooks.urls import AddressNotAllowed, IPAddress, check_address, validate_webhook_url
@@ -242,12 +245,51 @@ def test_ip_literal_checked_only_when_policy_given() -> None:
         validate_webhook_url("http://169.254.169.254/latest/meta-data/", allow_private=True)
 
 
-def test_backoff_full_jitter_within_bounds() -> None:
-    for attempt in range(12):
-        delays = [retry_delay_s(attempt + 1, base_s=0.1, max_s=1.0) for _ in range(200)]
-        assert all(0.0 <= d <= min(1.0, 0.1 * 2**attempt) for d in delays)
-        assert max(delays) > 0.5 * min(1.0, 0.1 * 2**attempt)  # spread over the range, not pinned to 0
-    assert 0.0 <= retry_delay_s(10_000, base_s=0.1, max_s=30.0) <= 30.0  # no overflow far out
+SVIX = [5.0, 300.0, 1800.0, 7200.0, 18000.0, 36000.0, 36000.0]
+
+
+def test_default_schedule_is_standard_webhooks() -> None:
+    # Immediately, then 5 s, 5 min, 30 min, 2 h, 5 h, 10 h, 10 h: 8 attempts over about 28 hours.
+    # The fields' own defaults: the test session's environment compresses the schedule for integration tests.
+    fields = Settings.model_fields
+    assert fields["webhook_schedule_s"].get_default(call_default_factory=True) == SVIX
+    assert fields["webhook_schedule_jitter"].get_default() == 0.1
+
+
+def test_schedule_delay_after_each_attempt_and_none_after_the_last() -> None:
+    exact = [next_delay_s(a, schedule=SVIX, jitter=0.0) for a in range(1, len(SVIX) + 2)]
+    assert exact == [*SVIX, None]
+    assert next_delay_s(0, schedule=SVIX) is None  # there is no attempt 0
+    assert next_delay_s(1, schedule=[]) is None  # an empty schedule: one attempt, no retry
+
+
+def test_schedule_jitter_spreads_within_ten_percent() -> None:
+    delays = [next_delay_s(2, schedule=SVIX) for _ in range(500)]
+    assert all(d is not None and 270.0 <= d <= 330.0 for d in delays)
+    assert max(d for d in delays if d is not None) - min(d for d in delays if d is not None) > 30.0  # not pinned
+    assert next_delay_s(1, schedule=[10.0], jitter=0.1, uniform=lambda lo, hi: lo) == pytest.approx(9.0)
+    assert next_delay_s(1, schedule=[10.0], jitter=0.1, uniform=lambda lo, hi: hi) == pytest.approx(11.0)
+
+
+def test_message_id_is_one_per_job_and_event() -> None:
+    job = uuid.UUID("12345678-1234-5678-1234-567812345678")
+    assert message_id(job, "job.succeeded") == "msg_12345678123456781234567812345678_succeeded"
+    assert message_id(job, "job.succeeded") != message_id(job, "job.failed")
+
+
+def _result(status: int | None, *, retryable: bool, error: str | None = "x") -> DeliveryResult:
+    return DeliveryResult(status is not None and 200 <= status < 300, status, error, 1, "", retryable)
+
+
+def test_outcome_of_an_attempt() -> None:
+    settings = Settings(webhook_schedule_s=[1.0, 2.0], webhook_schedule_jitter=0.0)
+    assert outcome(_result(204, retryable=False, error=None), attempt=1, settings=settings) == ("delivered", None)
+    assert outcome(_result(503, retryable=True), attempt=1, settings=settings) == ("retry_scheduled", 1.0)
+    assert outcome(_result(None, retryable=True), attempt=2, settings=settings) == ("retry_scheduled", 2.0)
+    assert outcome(_result(429, retryable=True), attempt=3, settings=settings) == ("gave_up", None)  # schedule done
+    assert outcome(_result(410, retryable=False), attempt=1, settings=settings) == ("gone", None)
+    assert outcome(_result(400, retryable=False), attempt=1, settings=settings) == ("gave_up", None)
+    assert outcome(_result(302, retryable=False), attempt=1, settings=settings) == ("gave_up", None)
 
 
 # --- delivery -----------------------------------------------------------------------------------------------

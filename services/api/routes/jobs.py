@@ -1,5 +1,5 @@
 """/v1/jobs routes: thin; the logic is in services/api/jobs_service.py. Submit, read and list are async on the
-store's connection pool (the hot paths); cancel and the webhook log are sync, on a session in the thread pool."""
+store's connection pool (the hot paths); cancel is sync, on a session in the thread pool."""
 
 from __future__ import annotations
 
@@ -7,16 +7,14 @@ import uuid
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Request, Response
-from sqlalchemy import select
 
 from services.api import jobs_service
 from services.api.deps import SessionDep, SettingsDep, TenantDep
 from services.api.metrics import SUBMITS
 from services.api.store import JobStore
 from shared.dispatch import send_job_committed, send_webhook_after_commit
-from shared.models import WebhookDelivery
 from shared.presenters import present_job
-from shared.schemas import ERROR_RESPONSES, JobCreate, JobOut, JobPage, WebhookDeliveryOut
+from shared.schemas import ERROR_RESPONSES, JobCreate, JobOut, JobPage
 from shared.states import JobStatus, request_cancel
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=ERROR_RESPONSES)
@@ -80,12 +78,3 @@ def cancel_job(
     if JobStatus(job.status).is_terminal():  # cancelled while queued: its progress streams end now
         request.app.state.celery.progress.finished(job.id, status=job.status)
     return present_job(job, settings=settings, storage=request.app.state.storage)
-
-
-@router.get("/{job_id}/webhooks", response_model=list[WebhookDeliveryOut])
-def job_webhooks(job_id: uuid.UUID, session: SessionDep, tenant: TenantDep) -> list[WebhookDeliveryOut]:
-    jobs_service.get_job(session, tenant_id=tenant.id, job_id=job_id)
-    rows = session.execute(
-        select(WebhookDelivery).where(WebhookDelivery.job_id == job_id).order_by(WebhookDelivery.id)
-    ).scalars()
-    return [WebhookDeliveryOut.model_validate(r) for r in rows]

@@ -114,6 +114,13 @@ class Settings(BaseSettings):
     task_soft_time_limit_s: int = 1800
     task_time_limit_s: int = 1900
     visibility_timeout_s: int = 7200
+    # Postgres unreachable at a worker's claim or finalize: retry after base, ×2 each time up to max, each delay
+    # × a random factor in [0.5, 1], so a recovered database sees the job within about max seconds.
+    worker_db_retry_base_s: float = 0.1
+    worker_db_retry_max_s: float = 1.0
+    # How long a worker holds an unclaimable message (the database down) before it re-publishes it to its queue
+    # and takes the next; keep it well below task_soft_time_limit_s, which would otherwise stop the wait.
+    worker_claim_wait_s: float = 300.0
     progress_min_interval_s: float = 0.5
     worker_metrics_port: int = 9808  # Prometheus /metrics of a worker (0 = off)
     worker_liveness_file: str = "/tmp/vidq-worker-alive"  # touched by the worker's consumer loop

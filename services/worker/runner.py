@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import socket
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from celery.exceptions import SoftTimeLimitExceeded
 from minio.error import S3Error
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from urllib3.exceptions import HTTPError as Urllib3Error
 
 from services.worker.heartbeat import Lease
@@ -23,12 +27,45 @@ from shared.config import Settings
 from shared.db import session_scope
 from shared.dispatch import send_job_after_commit, send_webhook_after_commit
 from shared.errors import JobCancelled, LeaseLost
+from shared.models import Job
 from shared.progress import ProgressPublisher
 from shared.spec import GenerationSpec
 from shared.states import JobStatus, cancelled_by_worker, claim, fail, release_for_retry, succeed
 from shared.storage import Storage, poster_key, video_key
 
 log = logging.getLogger("vidq.worker.runner")
+
+T = TypeVar("T")
+
+
+class ClaimDeferred(Exception):
+    """Postgres did not answer for ``worker_claim_wait_s``: the task re-publishes its message (tasks.py)."""
+
+
+def db_unreachable(exc: BaseException) -> bool:
+    """Postgres is down or unreachable (refused, reset, timed out, no pooled connection), not a bad statement."""
+    if isinstance(exc, OperationalError | PoolTimeout):
+        return True
+    return isinstance(exc, DBAPIError) and bool(exc.connection_invalidated)
+
+
+def _retry_db(fn: Callable[[], T], *, settings: Settings, deadline: float, what: str, ctx: dict[str, str]) -> T:
+    """``fn()`` again and again while Postgres is unreachable, until ``deadline`` (time.monotonic()); then the
+    last error is raised. Exponential backoff with jitter, capped at ``worker_db_retry_max_s``: a database that
+    comes back is seen within about that long. Any other error is raised at once."""
+    tries = 0
+    while True:
+        try:
+            return fn()
+        except Exception as exc:
+            left = deadline - time.monotonic()
+            if not db_unreachable(exc) or left <= 0:
+                raise
+            if tries % 30 == 0:  # once at the start, then about every 30 s at the cap: not a line per try
+                log.warning(f"Postgres unreachable at {what}; retrying", extra={**ctx, "error": repr(exc)[:300]})
+            cap = min(settings.worker_db_retry_max_s, settings.worker_db_retry_base_s * 2 ** min(tries, 30))
+            time.sleep(min(left, cap * random.uniform(0.5, 1.0)))
+            tries += 1
 
 
 def worker_id() -> str:
@@ -43,7 +80,19 @@ def run_job(
     ``progress`` tells the API's progress streams about the claim, each step, and every commit that takes the job
     out of running ("finished": they read Postgres for the rest). It never raises; a lost message only delays a
     stream until its resync."""
-    outcome = _run_job(job_id, settings=settings, celery=celery, storage=storage, progress=progress)
+    try:
+        outcome = _run_job(job_id, settings=settings, celery=celery, storage=storage, progress=progress)
+    except Exception as exc:
+        # Only after the claim (a claim that cannot reach Postgres raises ClaimDeferred): the database stayed
+        # down through every retry of the release, fail or cancel. The job is left running under a lease nobody
+        # renews; the sweeper hands it back when the lease expires. Nothing here may take the worker down.
+        if not db_unreachable(exc):
+            raise
+        log.warning(
+            "Postgres unreachable after the claim; the lease expiry hands the job back",
+            extra={"job_id": str(job_id), "error": repr(exc)[:300]},
+        )
+        outcome = "abandoned"
     JOBS.labels(outcome).inc()
     return outcome
 
@@ -52,16 +101,41 @@ def _run_job(
     job_id: uuid.UUID, *, settings: Settings, celery: VidqCelery, storage: Storage, progress: ProgressPublisher
 ) -> str:
     ctx = {"job_id": str(job_id)}
+
     # 1. Claim: the conditional UPDATE makes a redelivered or duplicate message a no-op.
-    with session_scope(settings) as session:
-        job = claim(session, job_id, worker_id=worker_id(), lease_s=settings.lease_s)
-        if job is None:
-            log.info("not claimable (already running, finished or cancelled); message dropped", extra=ctx)
-            return "dropped"
-        token, tenant_id = job.attempt, str(job.tenant_id)
-        spec = GenerationSpec.from_dict(job.spec)
-        if token == 1 and job.started_at is not None:  # a retry's wait would count the failed attempt too
-            QUEUE_WAIT.labels(job.priority_class).observe((job.started_at - job.created_at).total_seconds())
+    def claim_once() -> tuple[int, str, GenerationSpec] | None:
+        with session_scope(settings) as session:
+            job = claim(session, job_id, worker_id=worker_id(), lease_s=settings.lease_s)
+            if job is None:
+                return None
+            if job.attempt == 1 and job.started_at is not None:  # a retry's wait would count the failed attempt
+                QUEUE_WAIT.labels(job.priority_class).observe((job.started_at - job.created_at).total_seconds())
+            return job.attempt, str(job.tenant_id), GenerationSpec.from_dict(job.spec)
+
+    # Postgres down: the message is this job's only pointer in the broker (acks_late: it is acked when the task
+    # returns), so the worker holds it and retries the claim until the database answers — the job then runs the
+    # outage plus at most worker_db_retry_max_s later. Dropping it would leave the job queued with nothing to send
+    # it again but the sweeper's queued_resend_s (30 min) or aging. Because the message is never lost, the sweeper
+    # needs no new rule for "consumed but never claimed". Past worker_claim_wait_s (below the task's soft time
+    # limit) the task re-publishes the message instead. A claim whose COMMIT reached Postgres but whose answer was
+    # lost finds the job running on retry and drops the message: the lease (never renewed) expires and the
+    # sweeper re-queues the job.
+    try:
+        claimed = _retry_db(
+            claim_once,
+            settings=settings,
+            deadline=time.monotonic() + settings.worker_claim_wait_s,
+            what="claim",
+            ctx=ctx,
+        )
+    except Exception as exc:
+        if db_unreachable(exc):
+            raise ClaimDeferred(f"Postgres unreachable for {settings.worker_claim_wait_s:.0f} s") from exc
+        raise
+    if claimed is None:
+        log.info("not claimable (already running, finished or cancelled); message dropped", extra=ctx)
+        return "dropped"
+    token, tenant_id, spec = claimed
     ctx["attempt"] = str(token)
     log.info("claimed", extra=ctx)
     progress.progress(job_id, status=JobStatus.RUNNING.value, step=0, total=spec.steps, attempt=token)
@@ -71,11 +145,19 @@ def _run_job(
             outcome = _render_and_store(
                 spec, settings=settings, storage=storage, lease=lease, tenant_id=tenant_id, job_id=job_id
             )
-        # 5. Finalize only with our fencing token: a stale attempt changes nothing.
-        with session_scope(settings) as session:
-            done = succeed(session, job_id, token=token, output=outcome)
-            if done is not None:
-                send_webhook_after_commit(session, celery, done)
+
+        # 5. Finalize only with our fencing token: a stale attempt changes nothing, so retrying it while Postgres
+        #    is down is safe (for up to a lease: by then the sweeper may have handed the job to another attempt).
+        def finalize() -> Job | None:
+            with session_scope(settings) as session:
+                done = succeed(session, job_id, token=token, output=outcome)
+                if done is not None:
+                    send_webhook_after_commit(session, celery, done)
+                return done
+
+        done = _retry_db(
+            finalize, settings=settings, deadline=time.monotonic() + settings.lease_s, what="finalize", ctx=ctx
+        )
         if done is None:
             log.warning("finalize refused: fencing token is stale", extra=ctx)
             return "stale"
@@ -106,10 +188,19 @@ def _run_job(
     except (OperationalError, S3Error, Urllib3Error, ConnectionError, TimeoutError, OSError) as exc:
         # Transient (DB, S3, network): hand the job back for another attempt, or fail once attempts are spent.
         log.warning("transient failure", extra={**ctx, "error": repr(exc)})
-        with session_scope(settings) as session:
-            released = release_for_retry(session, job_id, token=token, reason=f"transient: {type(exc).__name__}")
-            if released is not None:
-                send_job_after_commit(session, celery, released)
+        reason = f"transient: {type(exc).__name__}"
+
+        def release() -> Job | None:
+            with session_scope(settings) as session:
+                job = release_for_retry(session, job_id, token=token, reason=reason)
+                if job is not None:
+                    send_job_after_commit(session, celery, job)
+                return job
+
+        # The release needs Postgres too: retried for up to a lease; past that run_job leaves the job to its lease.
+        released = _retry_db(
+            release, settings=settings, deadline=time.monotonic() + settings.lease_s, what="release", ctx=ctx
+        )
         if released is not None:
             progress.finished(job_id, status=released.status)  # queued again: streams read it, then hear the claim
             return "retrying"

@@ -6,11 +6,17 @@ import uuid
 
 from celery import Task, shared_task
 
-from services.worker.runner import run_job
+from services.worker.runner import ClaimDeferred, run_job
 from shared.queues import TASK_GENERATE
 
 
 @shared_task(name=TASK_GENERATE, bind=True, acks_late=True, ignore_result=True)
 def generate(self: Task, job_id: str) -> str:
     app = self.app
-    return run_job(uuid.UUID(job_id), settings=app.settings, celery=app, storage=app.storage, progress=app.progress)
+    try:
+        return run_job(uuid.UUID(job_id), settings=app.settings, celery=app, storage=app.storage, progress=app.progress)
+    except ClaimDeferred as exc:
+        # Postgres has been down for worker_claim_wait_s: put the message back on its queue (a new copy, published
+        # before this one is acked) rather than wait into the task's time limit. max_retries=None: a job is never
+        # given up for an outage, however long. The next worker to take it waits for the claim again.
+        raise self.retry(exc=exc, countdown=app.settings.worker_db_retry_max_s, max_retries=None) from exc

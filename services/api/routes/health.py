@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures as cf
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -23,8 +24,12 @@ def healthz() -> dict[str, str]:
 
 
 @router.get("/readyz", responses={503: {"description": "a dependency did not answer in time"}})
-def readyz(request: Request) -> JSONResponse:
+async def readyz(request: Request) -> JSONResponse:
+    """Each check names its dependency, so an outage says which one is down. "postgres" covers both ways the API
+    reaches it: the SQLAlchemy engine (sessions, the sweeper) and the psycopg async pool of the hot paths
+    (services/api/store.py), which can fail on its own (exhausted, or holding only dead connections)."""
     state = request.app.state
+    timeout_s = state.settings.readyz_timeout_s
 
     def db() -> None:
         with state.engine.connect() as conn:
@@ -39,15 +44,40 @@ def readyz(request: Request) -> JSONResponse:
         if not state.storage.ping():
             raise RuntimeError(f"bucket {state.storage.bucket} missing")
 
-    checks: dict[str, Callable[[], None]] = {"postgres": db, "redis": redis, "s3": s3}
-    futures = {name: _pool.submit(fn) for name, fn in checks.items()}
+    loop = asyncio.get_running_loop()
+
+    async def db_pool() -> None:
+        # One SELECT on a pooled connection; the pool's own wait is bounded too, so a full pool answers in time.
+        async with state.store.pool.connection(timeout=timeout_s) as conn:
+            await conn.execute("SELECT 1")
+
+    async def postgres() -> None:
+        outcomes = await asyncio.gather(loop.run_in_executor(_pool, db), db_pool(), return_exceptions=True)
+        errors = [
+            f"{path}: {type(out).__name__}: {out}"
+            for path, out in zip(("engine", "async pool"), outcomes, strict=True)
+            if isinstance(out, BaseException)
+        ]
+        if errors:
+            raise RuntimeError("; ".join(errors))
+
+    # The blocking clients run on their own small thread pool, all checks at once.
+    running: dict[str, Awaitable[None]] = {
+        "postgres": postgres(),
+        "redis": loop.run_in_executor(_pool, redis),
+        "s3": loop.run_in_executor(_pool, s3),
+    }
     results: dict[str, Any] = {}
-    for name, fut in futures.items():
+
+    async def check(name: str, work: Awaitable[None]) -> None:
         try:
-            fut.result(timeout=state.settings.readyz_timeout_s)
+            await asyncio.wait_for(work, timeout=timeout_s)
             results[name] = "ok"
-        except Exception as exc:
+        except Exception as exc:  # TimeoutError included: the dependency did not answer in time
             results[name] = f"error: {type(exc).__name__}: {exc}"[:300]
+
+    await asyncio.gather(*(check(name, work) for name, work in running.items()))
+    results = {name: results[name] for name in running}  # a stable order, whatever finished first
     ok = all(v == "ok" for v in results.values())
     return JSONResponse({"status": "ready" if ok else "not ready", "checks": results}, status_code=200 if ok else 503)
 

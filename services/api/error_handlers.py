@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import psycopg
+import psycopg_pool
 import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -32,8 +34,17 @@ _HTTP_CODES = {
     413: "payload_too_large",
     415: "unsupported_media_type",
 }
-# A dependency that is down or saturated: the request may succeed if retried.
-UNAVAILABLE = (OperationalError, PoolTimeout, redis.ConnectionError, redis.TimeoutError, BrokerError)
+# A dependency that is down or saturated: the request may succeed if retried. psycopg's own errors come from the
+# async store (services/api/store.py), SQLAlchemy's from sessions.
+UNAVAILABLE = (
+    OperationalError,
+    PoolTimeout,
+    psycopg.OperationalError,
+    psycopg_pool.PoolTimeout,
+    redis.ConnectionError,
+    redis.TimeoutError,
+    BrokerError,
+)
 
 
 def envelope(

@@ -121,10 +121,20 @@ class Settings(BaseSettings):
     # How long a worker holds an unclaimable message (the database down) before it re-publishes it to its queue
     # and takes the next; keep it well below task_soft_time_limit_s, which would otherwise stop the wait.
     worker_claim_wait_s: float = 300.0
+    # An S3 outage up to this long delays the upload (retried with the same backoff) instead of spending an attempt.
+    worker_upload_retry_s: float = 300.0
     progress_min_interval_s: float = 0.5
     worker_metrics_port: int = 9808  # Prometheus /metrics of a worker (0 = off)
     worker_liveness_file: str = "/tmp/vidq-worker-alive"  # touched by the worker's consumer loop
     worker_liveness_max_age_s: float = 60.0
+    # A pool process builds its models in a background thread (no start-up timeout applies there); past this long
+    # still loading it counts as stuck: `vidq worker-alive` fails and a task waiting for it gives its message back.
+    worker_model_load_timeout_s: float = 600.0
+    worker_model_load_delay_s: float = 0.0  # test knob only: sleep this long before building the models
+    # First SIGTERM: the running job gets this long to finish, then the pool is killed (a second SIGTERM: at once).
+    # Keep it above task_time_limit_s and below the orchestrator's grace (compose stop_grace_period, k8s
+    # terminationGracePeriodSeconds).
+    worker_shutdown_grace_s: float = 1950.0
     model_dir: str | None = None  # local diffusers folder served as model "local"
     device: str | None = None  # "cuda", "cpu"; None = cuda if available
     cuda_dtype: Literal["bfloat16", "float16"] = "bfloat16"

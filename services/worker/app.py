@@ -1,19 +1,41 @@
 """The worker's Celery app: tasks registered on the shared app, per-process resources built in the pool child.
 
-``celery -A services.worker.app worker`` (or ``vidq worker``). CUDA is only touched in ``worker_process_init``,
-i.e. in the forked child, never in the parent.
+``celery -A services.worker.app worker`` (or ``vidq worker``). CUDA is only touched in the pool child (the model
+load thread ``worker_process_init`` starts), never in the parent.
+
+Two faults shape this file:
+
+- Celery kills a new pool process that has not reported ready within ``worker_proc_alive_timeout`` (4 s), so a
+  model built inside ``worker_process_init`` that takes longer meant a crashed pool process was never replaced. The
+  models are built in a background thread instead, where no start-up timeout applies; the task waits for it
+  (``wait_for_models``) before it claims its job, and the pool file (shared/liveness.py) tells the probe whether a
+  pool process is loading, ready or stuck. Raising the timeout instead would tie it to a load time nobody knows.
+- A SIGTERM to the whole process group (systemd, ``vidq up``) used to kill the pool child mid-job. The pool child
+  now ignores SIGTERM, so only the main process reacts (Celery's warm shutdown: no new job, the running one
+  finishes). Billiard's own kills of a child (hard time limit, cold shutdown) follow SIGTERM with SIGKILL or are
+  preceded by ours (``_install_shutdown_escalation``: a second SIGTERM, SIGQUIT, or the grace period's end kills the
+  pool at once).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
 from typing import Any
 
-from celery.signals import setup_logging, worker_init, worker_process_init, worker_process_shutdown
+from celery.signals import setup_logging, worker_init, worker_process_init, worker_process_shutdown, worker_ready
 
 from shared.celery_app import make_celery
 from shared.config import get_settings
 from shared.db import dispose_engines
+from shared.liveness import mark_pool, pool_path
 from shared.logs import configure_logging
 
 log = logging.getLogger("vidq.worker")
@@ -44,19 +66,120 @@ def _logging(**_: Any) -> None:
 def _init_main(**_: Any) -> None:
     from services.worker.metrics import serve_metrics
 
+    # Before any pool process exists: the probe gives the first load its timeout, not the ready file's max age.
+    mark_pool(pool_path(Path(settings.worker_liveness_file)), "starting")
     serve_metrics(settings)
+
+
+# --- models, built in the pool child -------------------------------------------------------------------------------
+
+_models_ready = threading.Event()
+_models_failed = threading.Event()
+
+
+def _load_models() -> None:
+    from services.worker.metrics import start_pool_heartbeat
+    from shared.render.registry import pipeline_for
+
+    try:
+        if settings.worker_model_load_delay_s:  # test knob: a slow (or never-ending) model load
+            time.sleep(settings.worker_model_load_delay_s)
+        for model in settings.worker_preload_models:
+            pipeline_for(model, settings)
+            log.info("pipeline loaded", extra={"model": model})
+    except Exception:
+        log.exception("pipeline load failed")
+        _models_failed.set()
+        mark_pool(pool_path(Path(settings.worker_liveness_file)), "failed")
+    else:
+        start_pool_heartbeat(settings)
+    finally:
+        _models_ready.set()
+
+
+def wait_for_models() -> bool:
+    """In a task: block until this pool process's models are built. False if they never will be (failed, or still
+    loading after VIDQ_WORKER_MODEL_LOAD_TIMEOUT_S); the caller gives its message back, unclaimed."""
+    if not _models_ready.wait(settings.worker_model_load_timeout_s):
+        return False
+    return not _models_failed.is_set()
 
 
 @worker_process_init.connect
 def _init_child(**_: Any) -> None:
+    # Only the main process reacts to SIGTERM (a warm shutdown waits for this process's job). Celery already ignores
+    # SIGINT here; billiard's kills (hard time limit) escalate to SIGKILL, and so does ours on a hard stop.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     dispose_engines()  # never share a parent's sockets across fork
-    for model in settings.worker_preload_models:
-        from shared.render.registry import pipeline_for
-
-        pipeline_for(model, settings)
-        log.info("pipeline loaded", extra={"model": model})
+    mark_pool(pool_path(Path(settings.worker_liveness_file)), "loading")
+    threading.Thread(target=_load_models, name="vidq-model-load", daemon=True).start()
 
 
 @worker_process_shutdown.connect
 def _shutdown_child(**_: Any) -> None:
     dispose_engines()
+
+
+# --- shutdown, in the main process ---------------------------------------------------------------------------------
+
+Handler = Callable[[int, FrameType | None], Any] | int | None
+
+
+_hard_stopped = threading.Event()
+
+
+def was_hard_stopped() -> bool:
+    """After the worker returns: True if it was stopped hard (Celery then reports 0; ``vidq worker`` exits 1)."""
+    return _hard_stopped.is_set()
+
+
+def _kill_pool() -> None:
+    from billiard.process import active_children
+
+    for child in active_children():
+        with contextlib.suppress(ProcessLookupError):  # exited meanwhile
+            os.kill(child.pid, signal.SIGKILL)
+
+
+@worker_ready.connect
+def _install_shutdown_escalation(**_: Any) -> None:
+    """Wrap Celery's handlers (installed by now): the first SIGTERM is Celery's warm shutdown plus a grace timer; a
+    second SIGTERM, SIGQUIT or the timer kills the pool (its children ignore SIGTERM, so Celery's own terminate would
+    wait for the job) and hands over to Celery's cold shutdown."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    warm: Handler = signal.getsignal(signal.SIGTERM)
+    cold: Handler = signal.getsignal(signal.SIGQUIT)
+    terms = 0
+
+    def hard_stop(reason: str, frame: FrameType | None) -> None:
+        log.warning("hard shutdown: killing the pool", extra={"reason": reason})
+        _hard_stopped.set()
+        _kill_pool()
+        # Celery's teardown should end the process now; never let a stuck one outlive the hard stop.
+        backstop = threading.Timer(30.0, os._exit, (1,))
+        backstop.daemon = True
+        backstop.start()
+        if callable(cold):
+            cold(signal.SIGQUIT, frame)
+        else:
+            os._exit(1)
+
+    def on_term(signum: int, frame: FrameType | None) -> None:
+        nonlocal terms
+        terms += 1
+        if terms > 1:
+            hard_stop("second SIGTERM", frame)
+            return
+        log.info("warm shutdown: finishing the running job", extra={"grace_s": settings.worker_shutdown_grace_s})
+        timer = threading.Timer(settings.worker_shutdown_grace_s, os.kill, (os.getpid(), signal.SIGQUIT))
+        timer.daemon = True  # a worker that finishes in time exits without waiting for it
+        timer.start()
+        if callable(warm):
+            warm(signum, frame)
+
+    def on_quit(signum: int, frame: FrameType | None) -> None:
+        hard_stop("SIGQUIT" if terms == 0 else "grace period over", frame)
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGQUIT, on_quit)

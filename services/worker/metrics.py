@@ -9,6 +9,8 @@ prometheus_client) and the main process serves them, with live GPU readings from
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +21,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from shared.config import Settings
-from shared.liveness import touch
+from shared.liveness import mark_pool, pool_path, touch
 
 log = logging.getLogger("vidq.worker.metrics")
 
@@ -95,7 +97,7 @@ class LivenessFile(bootsteps.StartStopStep):  # type: ignore[misc]  # celery shi
         super().__init__(parent, **kwargs)
         settings = parent.app.settings  # the VidqCelery app this worker runs
         self.path = Path(settings.worker_liveness_file)
-        self.interval = max(1.0, settings.worker_liveness_max_age_s / 4)
+        self.interval = liveness_interval(settings)
         self.tref: Any = None
 
     def start(self, parent: Any) -> None:
@@ -106,3 +108,25 @@ class LivenessFile(bootsteps.StartStopStep):  # type: ignore[misc]  # celery shi
         if self.tref is not None:
             self.tref.cancel()
         self.path.unlink(missing_ok=True)
+        pool_path(self.path).unlink(missing_ok=True)  # a stopped worker's pool must not look ready to the next one
+
+
+def liveness_interval(settings: Settings) -> float:
+    return max(1.0, settings.worker_liveness_max_age_s / 4)
+
+
+def start_pool_heartbeat(settings: Settings) -> None:
+    """In a pool process whose models are built: rewrite the pool file as ``ready`` from a daemon thread, so it goes
+    stale when this process dies and no replacement gets its models built (the consumer loop alone would go on)."""
+    path = pool_path(Path(settings.worker_liveness_file))
+    interval = liveness_interval(settings)
+
+    def beat() -> None:
+        while True:
+            try:
+                mark_pool(path, "ready")
+            except OSError as exc:  # a full or read-only disk: the probe will say so; the job goes on
+                log.warning("pool liveness file not written", extra={"error": str(exc)})
+            time.sleep(interval)
+
+    threading.Thread(target=beat, name="vidq-pool-heartbeat", daemon=True).start()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 
 from celery import Task, shared_task
+from celery.exceptions import Reject
 
 from services.worker.runner import ClaimDeferred, run_job
 from shared.queues import TASK_GENERATE
@@ -12,6 +13,12 @@ from shared.queues import TASK_GENERATE
 
 @shared_task(name=TASK_GENERATE, bind=True, acks_late=True, ignore_result=True)
 def generate(self: Task, job_id: str) -> str:
+    from services.worker.app import wait_for_models  # loaded by now; not at import: it builds an app
+
+    # The models are built in a background thread of this pool process: no job starts before they are ready.
+    if not wait_for_models():
+        # Unclaimed, so the message goes back whole; the liveness probe is failing and the process will be replaced.
+        raise Reject("models not ready", requeue=True)
     app = self.app
     try:
         return run_job(uuid.UUID(job_id), settings=app.settings, celery=app, storage=app.storage, progress=app.progress)

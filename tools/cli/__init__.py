@@ -111,33 +111,47 @@ def worker(
     else:
         from services.worker.app import celery
 
-    celery.worker_main(
-        [
-            "worker",
-            "--loglevel=INFO",
-            f"--queues={','.join(WORKER_ROLES[role])}",
-            f"--concurrency={concurrency}",
-            "--pool=prefork",
-            "--prefetch-multiplier=1",
-            "--without-gossip",
-            "--without-mingle",
-            "-E",
-            f"--hostname={name or role}@%h",
-        ]
-    )
+    argv = [
+        "worker",
+        "--loglevel=INFO",
+        f"--queues={','.join(WORKER_ROLES[role])}",
+        f"--concurrency={concurrency}",
+        "--pool=prefork",
+        "--prefetch-multiplier=1",
+        "--without-gossip",
+        "--without-mingle",
+        "-E",
+        f"--hostname={name or role}@%h",
+    ]
+    celery.worker_main(argv)  # returns when the worker has stopped, whatever its exit code
+    if role != "webhooks":
+        from services.worker.app import was_hard_stopped
+
+        if was_hard_stopped():  # the pool was killed mid-job: that must not look like a clean stop
+            raise typer.Exit(code=1)
 
 
 @app.command("worker-alive")
 def worker_alive() -> None:
-    """Liveness probe for a worker: exit 0 if its consumer loop touched the liveness file recently."""
+    """Liveness probe for a worker: exit 0 if its consumer loop touched the liveness file recently and a pool
+    process can take a job (ready, or loading its models for less than VIDQ_WORKER_MODEL_LOAD_TIMEOUT_S)."""
     from pathlib import Path
 
     from shared.config import get_settings
-    from shared.liveness import is_alive
+    from shared.liveness import is_alive, pool_path, pool_problem
 
     settings = get_settings()
-    if not is_alive(Path(settings.worker_liveness_file), max_age_s=settings.worker_liveness_max_age_s):
-        typer.echo(f"stale or missing: {settings.worker_liveness_file}", err=True)
+    path = Path(settings.worker_liveness_file)
+    if not is_alive(path, max_age_s=settings.worker_liveness_max_age_s):
+        typer.echo(f"stale or missing: {path}", err=True)
+        raise typer.Exit(code=1)
+    problem = pool_problem(
+        pool_path(path),
+        max_age_s=settings.worker_liveness_max_age_s,
+        load_timeout_s=settings.worker_model_load_timeout_s,
+    )
+    if problem:
+        typer.echo(f"{pool_path(path)}: {problem}", err=True)
         raise typer.Exit(code=1)
     typer.echo("alive")
 

@@ -1,0 +1,132 @@
+"""Faults of the worker's own processes: a crashed pool process whose model loads slowly is replaced, a pool that
+cannot take jobs fails the liveness probe, and SIGTERM (to the main process or the whole group) is a warm
+shutdown that finishes the running job once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import psutil
+import pytest
+
+from tests.integration.helpers import SLOW, submit, transitions, wait_job
+from tools.processes import ProcessGroup, vidq_argv, wait_for_log, wait_until
+
+
+@contextmanager
+def worker_env(procs: ProcessGroup, **values: str) -> Iterator[dict[str, str]]:
+    """Settings for the workers started inside; the env a probe of them needs is yielded."""
+    saved = {key: procs.env.get(key) for key in values}
+    procs.env.update(values)
+    try:
+        yield {**procs.env}
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                procs.env.pop(key, None)
+            else:
+                procs.env[key] = old
+
+
+def probe(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(vidq_argv("worker-alive"), env=env, capture_output=True, text=True, timeout=60)
+
+
+def pool_child(main_pid: int) -> psutil.Process:
+    (child,) = psutil.Process(main_pid).children()  # concurrency 1: the one pool process
+    return child
+
+
+def test_a_crashed_pool_process_is_replaced_although_its_model_loads_slowly(client, start_worker, procs, tmp_path):
+    # 10 s: more than Celery's 4 s worker_proc_alive_timeout, which used to kill every replacement.
+    with worker_env(
+        procs, VIDQ_WORKER_MODEL_LOAD_DELAY_S="10", VIDQ_WORKER_LIVENESS_FILE=str(tmp_path / "alive")
+    ) as env:
+        name = start_worker("video")
+    log_path = procs.log_path(name)
+    first = pool_child(procs.procs[name].pid)
+    first.kill()
+    first.wait(10)
+    job = submit(client)  # sent while the replacement is still loading: it must wait for the model, then run
+    assert probe(env).returncode == 0  # loading, within its timeout: alive
+
+    wait_until(
+        lambda: log_path.read_text().count("pipeline loaded") == 2,
+        timeout_s=90,
+        what="the replacement pool process's model",
+        watch=procs,
+        log_path=log_path,
+    )
+    assert wait_job(client, job["id"], {"succeeded"}, timeout_s=120)["attempt"] == 1
+    assert pool_child(procs.procs[name].pid).pid != first.pid
+    assert "Timed out waiting for UP message" not in log_path.read_text()
+    assert probe(env).returncode == 0
+
+
+@pytest.mark.parametrize(
+    ("knobs", "reason"),
+    [
+        # A load that never ends: stuck once it has taken longer than VIDQ_WORKER_MODEL_LOAD_TIMEOUT_S.
+        ({"VIDQ_WORKER_MODEL_LOAD_DELAY_S": "3600", "VIDQ_WORKER_MODEL_LOAD_TIMEOUT_S": "3"}, "no pool process ready"),
+        # A load that fails ("local" without VIDQ_MODEL_DIR raises): dead at once.
+        ({"VIDQ_WORKER_PRELOAD_MODELS": '["local"]', "VIDQ_MODEL_DIR": ""}, "model load failed"),
+    ],
+    ids=["never-loads", "load-fails"],
+)
+def test_liveness_fails_when_no_pool_process_can_take_a_job(start_worker, procs, tmp_path, knobs, reason):
+    with worker_env(procs, VIDQ_WORKER_LIVENESS_FILE=str(tmp_path / "alive"), **knobs) as env:
+        name = start_worker("video", wait=False)
+
+    wait_for_log(procs, name, "ready.", timeout_s=120)  # the consumer loop runs: its liveness file alone says alive
+    started = time.monotonic()
+    result = probe(env)
+    while result.returncode == 0 and time.monotonic() - started < 30:
+        time.sleep(0.5)
+        result = probe(env)
+    assert result.returncode == 1, result.stdout
+    assert reason in result.stderr
+    assert procs.procs[name].poll() is None  # the worker itself runs on: only the probe can get it replaced
+
+
+def sigterm_mid_job(client, start_worker, procs, *, group: bool) -> tuple[str, dict[str, Any], psutil.Process]:
+    name = start_worker("video")
+    job = submit(client, **SLOW)
+    wait_job(client, job["id"], {"running"}, min_step=2)
+    pid = procs.procs[name].pid
+    child = pool_child(pid)
+    if group:
+        os.killpg(pid, signal.SIGTERM)  # systemd's KillMode=control-group, `vidq up`'s stop
+    else:
+        os.kill(pid, signal.SIGTERM)  # what Kubernetes sends to the container's main process
+    return name, job, child
+
+
+@pytest.mark.parametrize("group", [True, False], ids=["process-group", "main-process"])
+def test_sigterm_mid_job_finishes_it_at_attempt_1_then_exits_0(client, start_worker, procs, settings, group):
+    name, job, _ = sigterm_mid_job(client, start_worker, procs, group=group)
+    proc = procs.procs[name]
+    assert proc.wait(timeout=120) == 0
+    procs.procs.pop(name)
+    done = client.get(f"/v1/jobs/{job['id']}").json()
+    assert done["status"] == "succeeded" and done["attempt"] == 1
+    assert transitions(settings, job["id"]) == [("queued", "running", 1), ("running", "succeeded", 1)]
+
+
+@pytest.mark.parametrize("how", ["second-sigterm", "grace-over"])
+def test_a_second_sigterm_or_the_end_of_the_grace_period_stops_at_once(client, start_worker, procs, how):
+    with worker_env(procs, VIDQ_WORKER_SHUTDOWN_GRACE_S="2" if how == "grace-over" else "600"):
+        name, job, child = sigterm_mid_job(client, start_worker, procs, group=True)
+    proc = procs.procs[name]
+    if how == "second-sigterm":
+        time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGTERM)
+    assert proc.wait(timeout=40) != 0  # a hard stop: the job is left to its lease, like a crash
+    procs.procs.pop(name)
+    assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
+    assert client.get(f"/v1/jobs/{job['id']}").json()["status"] == "running"

@@ -11,6 +11,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
@@ -18,6 +19,7 @@ from celery.exceptions import SoftTimeLimitExceeded
 from minio.error import S3Error
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
+from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_delay, wait_random_exponential
 from urllib3.exceptions import HTTPError as Urllib3Error
 
 from services.worker.heartbeat import Lease
@@ -31,7 +33,7 @@ from shared.models import Job
 from shared.progress import ProgressPublisher
 from shared.spec import GenerationSpec
 from shared.states import JobStatus, cancelled_by_worker, claim, fail, release_for_retry, succeed
-from shared.storage import Storage, poster_key, video_key
+from shared.storage import Storage, StoredObject, poster_key, video_key
 
 log = logging.getLogger("vidq.worker.runner")
 
@@ -241,6 +243,37 @@ def _fail(
     return "failed"
 
 
+def s3_unreachable(exc: BaseException) -> bool:
+    """S3 down, throttling or failing on its side (worth waiting for), not a refused request (bad credentials…)."""
+    if isinstance(exc, S3Error):
+        status = getattr(exc.response, "status", 0) or 0
+        return status >= 500 or exc.code in {"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout"}
+    return isinstance(exc, Urllib3Error | ConnectionError | TimeoutError)
+
+
+def _upload(
+    storage: Storage, key: str, path: Path, *, content_type: str, settings: Settings, lease: Lease, ctx: dict[str, str]
+) -> StoredObject:
+    """Upload under a deterministic key, retried while S3 is unreachable for up to ``worker_upload_retry_s`` (the
+    lease keeps being renewed meanwhile): an S3 outage delays the job, it does not spend one of its attempts."""
+
+    def log_wait(state: RetryCallState) -> None:
+        error = state.outcome.exception() if state.outcome else None
+        log.warning("S3 unreachable at upload; retrying", extra={**ctx, "key": key, "error": repr(error)[:300]})
+
+    for attempt in Retrying(
+        retry=retry_if_exception(s3_unreachable),
+        stop=stop_after_delay(settings.worker_upload_retry_s),
+        wait=wait_random_exponential(multiplier=settings.worker_db_retry_base_s, max=settings.worker_db_retry_max_s),
+        before_sleep=log_wait,
+        reraise=True,
+    ):
+        with attempt:
+            lease.check()  # a cancel or a lost lease ends the wait
+            return storage.upload(key, path, content_type=content_type)
+    raise AssertionError("unreachable: tenacity either returns or raises")
+
+
 def _render_and_store(
     spec: GenerationSpec,
     *,
@@ -269,8 +302,9 @@ def _render_and_store(
         # 4. Upload under deterministic keys: a retried attempt overwrites, never duplicates.
         t0 = time.perf_counter()
         lease.check()
-        video = storage.upload(video_key(tenant_id, str(job_id)), mp4, content_type="video/mp4")
-        poster = storage.upload(poster_key(tenant_id, str(job_id)), jpg, content_type="image/jpeg")
+        upload = partial(_upload, storage, settings=settings, lease=lease, ctx={"job_id": str(job_id)})
+        video = upload(video_key(tenant_id, str(job_id)), mp4, content_type="video/mp4")
+        poster = upload(poster_key(tenant_id, str(job_id)), jpg, content_type="image/jpeg")
         timings["upload"] = round(time.perf_counter() - t0, 4)
     for stage, seconds in timings.items():
         STAGE_SECONDS.labels(stage).observe(seconds)

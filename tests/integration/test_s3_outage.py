@@ -1,0 +1,101 @@
+"""An S3 outage at upload time delays the job; it does not spend an attempt. The outage is real from the worker's
+view: its S3 endpoint is a TCP proxy that the test cuts (refused connections, reset streams), then restores."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.integration.helpers import SLOW, free_port, submit, transitions, wait_job
+from tools.processes import ProcessGroup, vidq_argv, wait_for_log
+
+
+class CuttableProxy:
+    """Forwards 127.0.0.1:<port> to ``target``; ``cut()`` closes the listener and every open pair."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target, self.port = target, free_port()
+        self._open: list[socket.socket] = []
+        self._listener: socket.socket | None = None
+        self._lock = threading.Lock()
+        self.restore()
+
+    def restore(self) -> None:
+        listener = socket.create_server(("127.0.0.1", self.port), reuse_port=False)
+        self._listener = listener
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+
+    def cut(self) -> None:
+        with self._lock:
+            if self._listener is not None:
+                self._listener.close()
+                self._listener = None
+            for s in self._open:
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                s.close()
+            self._open.clear()
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return  # cut
+            try:
+                upstream = socket.create_connection(self.target, timeout=5)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._open += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.close()
+                except OSError:
+                    pass
+
+
+@pytest.fixture
+def worker_behind_proxy(procs: ProcessGroup, tmp_path: Path) -> Iterator[CuttableProxy]:
+    host, _, port = procs.env["VIDQ_S3_ENDPOINT"].partition(":")
+    proxy = CuttableProxy((host, int(port)))
+    env = {**procs.env, "VIDQ_S3_ENDPOINT": f"127.0.0.1:{proxy.port}", "VIDQ_WORKER_UPLOAD_RETRY_S": "60"}
+    group = ProcessGroup(env=env, log_dir=tmp_path)
+    group.start("worker-s3", vidq_argv("worker", "--role", "video", "--name", f"s3-{proxy.port}"))
+    wait_for_log(group, "worker-s3", "pipeline loaded", timeout_s=120)
+    yield proxy
+    group.stop_all(timeout_s=15)
+    proxy.cut()
+
+
+def test_upload_waits_out_an_s3_outage_and_succeeds_at_attempt_1(client, settings, worker_behind_proxy):
+    job = submit(client, **SLOW)
+    wait_job(client, job["id"], {"running"}, min_step=1)
+    worker_behind_proxy.cut()  # S3 gone before the render reaches its upload
+    done_rendering = wait_job(client, job["id"], {"running"}, min_step=SLOW["steps"], timeout_s=120)
+    assert done_rendering["status"] == "running"
+    time.sleep(3)  # the upload meets the outage and retries
+    worker_behind_proxy.restore()
+    finished = wait_job(client, job["id"], {"succeeded", "failed"}, timeout_s=120)
+    assert finished["status"] == "succeeded", finished["error"]
+    assert finished["attempt"] == 1
+    assert [t for t in transitions(settings, job["id"]) if t[1] == "running"] == [("queued", "running", 1)]

@@ -79,6 +79,9 @@ def running_stack(
         yield env, group
         (state_dir / "env").unlink(missing_ok=True)
     finally:
+        if "worker" in group.procs:  # first, with its grace: a running job finishes (SIGTERM is a warm shutdown)
+            console.print("[dim]stopping: the video worker finishes its running job first[/]")
+            group.stop("worker", timeout_s=settings.worker_shutdown_grace_s)
         group.stop_all()
         stack.stop()
 

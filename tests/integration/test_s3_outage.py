@@ -3,6 +3,7 @@ view: its S3 endpoint is a TCP proxy that the test cuts (refused connections, re
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -36,10 +37,8 @@ class CuttableProxy:
                 self._listener.close()
                 self._listener = None
             for s in self._open:
-                try:
+                with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
                 s.close()
             self._open.clear()
 
@@ -68,10 +67,8 @@ class CuttableProxy:
             pass
         finally:
             for s in (src, dst):
-                try:
+                with contextlib.suppress(OSError):
                     s.close()
-                except OSError:
-                    pass
 
 
 @pytest.fixture

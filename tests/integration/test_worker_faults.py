@@ -94,9 +94,11 @@ def test_liveness_fails_when_no_pool_process_can_take_a_job(start_worker, procs,
     assert procs.procs[name].poll() is None  # the worker itself runs on: only the probe can get it replaced
 
 
-def sigterm_mid_job(client, start_worker, procs, *, group: bool) -> tuple[str, dict[str, Any], psutil.Process]:
+def sigterm_mid_job(
+    client, start_worker, procs, *, group: bool, body: dict[str, Any] = SLOW
+) -> tuple[str, dict[str, Any], psutil.Process]:
     name = start_worker("video")
-    job = submit(client, **SLOW)
+    job = submit(client, **body)
     wait_job(client, job["id"], {"running"}, min_step=2)
     pid = procs.procs[name].pid
     child = pool_child(pid)
@@ -121,7 +123,9 @@ def test_sigterm_mid_job_finishes_it_at_attempt_1_then_exits_0(client, start_wor
 @pytest.mark.parametrize("how", ["second-sigterm", "grace-over"])
 def test_a_second_sigterm_or_the_end_of_the_grace_period_stops_at_once(client, start_worker, procs, how):
     with worker_env(procs, VIDQ_WORKER_SHUTDOWN_GRACE_S="2" if how == "grace-over" else "600"):
-        name, job, child = sigterm_mid_job(client, start_worker, procs, group=True)
+        # Far longer than the 2 s grace even on a fast machine: the render must still be running when it ends.
+        long_job = {**SLOW, "width": 256, "height": 256, "steps": 100}
+        name, job, child = sigterm_mid_job(client, start_worker, procs, group=True, body=long_job)
     proc = procs.procs[name]
     if how == "second-sigterm":
         time.sleep(0.5)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import base64
 import json
-import threading
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -78,16 +77,8 @@ class Publisher:
         pipe.execute()
 
 
-_publishers: dict[int, Publisher] = {}
-_lock = threading.Lock()
-
-
 def publisher(celery: VidqCelery) -> Publisher:
-    with _lock:
-        found = _publishers.get(id(celery))
-        if found is None:
-            found = _publishers[id(celery)] = Publisher(celery)
-        return found
+    return celery.resource("publisher", lambda: Publisher(celery))
 
 
 def decode(raw: bytes | str) -> dict[str, Any]:

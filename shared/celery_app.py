@@ -11,6 +11,12 @@ by aging in the sweeper, not by the broker (see services/sweeper/sweeper.py).
 
 from __future__ import annotations
 
+import os
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
 from celery import Celery
 from kombu import Exchange
 from kombu import Queue as KQueue
@@ -20,29 +26,46 @@ from shared.progress import ProgressPublisher
 from shared.queues import TASK_DELIVER_WEBHOOK, TASK_GENERATE, Queue
 from shared.storage import Storage
 
+T = TypeVar("T")
+_apps: weakref.WeakSet[VidqCelery] = weakref.WeakSet()
+
 
 class VidqCelery(Celery):  # type: ignore[misc]  # celery ships no types
-    """A Celery app that carries the settings it was built from."""
+    """A Celery app that carries the settings it was built from, and the per-process resources built from them."""
 
     def __init__(self, settings: Settings) -> None:
         super().__init__("vidq", broker=str(settings.broker_url), set_as_current=True)
         self.settings = settings
-        self._storage: Storage | None = None
-        self._progress: ProgressPublisher | None = None
+        self._resources: dict[str, Any] = {}
+        self._resources_lock = threading.Lock()
+        _apps.add(self)
+
+    def resource(self, name: str, factory: Callable[[], T]) -> T:
+        """This process's ``name`` (a client, a background thread…), built on first use. A forked child (a Celery
+        pool process) starts with none: sockets and threads do not survive a fork."""
+        with self._resources_lock:
+            if name not in self._resources:
+                self._resources[name] = factory()
+            return cast(T, self._resources[name])
 
     @property
     def storage(self) -> Storage:
-        """The process's S3 client, built on first use (in the pool child, after fork)."""
-        if self._storage is None:
-            self._storage = Storage(self.settings)
-        return self._storage
+        """The process's S3 client."""
+        return self.resource("storage", lambda: Storage(self.settings))
 
     @property
     def progress(self) -> ProgressPublisher:
-        """The process's progress publisher (Redis pub/sub), built on first use (in the pool child, after fork)."""
-        if self._progress is None:
-            self._progress = ProgressPublisher(self.settings)
-        return self._progress
+        """The process's progress publisher (Redis pub/sub)."""
+        return self.resource("progress", lambda: ProgressPublisher(self.settings))
+
+
+def _forget_resources_in_child() -> None:
+    for app in list(_apps):
+        app._resources = {}
+        app._resources_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_resources_in_child)
 
 
 def make_celery(settings: Settings) -> VidqCelery:

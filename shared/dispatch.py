@@ -13,7 +13,6 @@ a lost one would strand the job.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -171,30 +170,12 @@ class _Sender:
                     _recorder(message.celery).add(message)
 
 
-_recorders: dict[int, _SendRecorder] = {}
-_senders: dict[int, _Sender] = {}
-_recorders_lock = threading.Lock()
-
-
 def _sender(celery: VidqCelery) -> _Sender:
-    with _recorders_lock:
-        sender = _senders.get(id(celery))
-        if sender is None:
-            sender = _senders[id(celery)] = _Sender(celery)
-        return sender
+    return celery.resource("sender", lambda: _Sender(celery))
 
 
 def _recorder(celery: VidqCelery) -> _SendRecorder:
-    with _recorders_lock:  # one per app per process (a forked child starts with none: the dict is rebuilt below)
-        recorder = _recorders.get(id(celery))
-        if recorder is None:
-            recorder = _recorders[id(celery)] = _SendRecorder(celery)
-        return recorder
-
-
-def _reset_after_fork() -> None:
-    _recorders.clear()  # a parent's threads do not exist in the child
-    _senders.clear()
+    return celery.resource("send-recorder", lambda: _SendRecorder(celery))
 
 
 def _record_sends(messages: list[Message], *, celery: VidqCelery) -> None:
@@ -215,6 +196,3 @@ def _record_sends(messages: list[Message], *, celery: VidqCelery) -> None:
                 )
     except Exception as exc:  # the messages are out; the sweeper's resend is a harmless duplicate
         log.warning("could not record sends", extra={"jobs": [str(m.job_id) for m in messages], "error": repr(exc)})
-
-
-os.register_at_fork(after_in_child=_reset_after_fork)

@@ -59,6 +59,26 @@ def send_webhook_after_commit(session: Session, celery: VidqCelery, job: Job) ->
         _register(session, Message(celery, TASK_DELIVER_WEBHOOK, job.id, Queue.WEBHOOKS.value))
 
 
+@dataclass(frozen=True, slots=True)
+class _StreamNotice:
+    """Tell open progress streams (shared/progress.py) that a job left ``running``: they re-read Postgres."""
+
+    celery: VidqCelery
+    job_id: uuid.UUID
+    status: str
+
+
+def after_transition_commit(session: Session, celery: VidqCelery, job: Job) -> None:
+    """Everything that must follow a transition out of ``running`` once ``session`` commits: the job's next message
+    when it is queued again, its webhook when it finished, and a notice to its open progress streams."""
+    status = JobStatus(job.status)
+    if status is JobStatus.QUEUED:
+        send_job_after_commit(session, celery, job)
+    send_webhook_after_commit(session, celery, job)  # nothing unless finished with a webhook URL
+    if status is JobStatus.QUEUED or status.is_terminal():
+        session.info.setdefault(_PENDING, []).append(_StreamNotice(celery, job.id, job.status))
+
+
 def send_job_committed(celery: VidqCelery, job: Job) -> None:
     """For code that committed the job without a SQLAlchemy session (the API's async submit): the message goes
     out from a background thread of this process, so the response never waits on the broker. A full backlog (the
@@ -72,10 +92,13 @@ def _register(session: Session, message: Message) -> None:
 
 @event.listens_for(Session, "after_commit")
 def _after_commit(session: Session) -> None:
-    pending: list[Message] = session.info.pop(_PENDING, [])
-    for message in _send(pending):
+    pending: list[Message | _StreamNotice] = session.info.pop(_PENDING, [])
+    for message in _send([m for m in pending if isinstance(m, Message)]):
         if message.records_send:
             _recorder(message.celery).add(message)
+    for notice in pending:
+        if isinstance(notice, _StreamNotice):  # best effort, never raises: streams also re-read on their own
+            notice.celery.progress.finished(notice.job_id, status=notice.status)
 
 
 def flush_send_records(celery: VidqCelery) -> None:

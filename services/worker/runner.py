@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import socket
 import tempfile
 import time
@@ -19,6 +18,7 @@ from celery.exceptions import SoftTimeLimitExceeded
 from minio.error import S3Error
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
+from sqlalchemy.orm import Session
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_delay, wait_random_exponential
 from urllib3.exceptions import HTTPError as Urllib3Error
 
@@ -27,7 +27,7 @@ from services.worker.metrics import BUSY, FAILURES, JOBS, QUEUE_WAIT, STAGE_SECO
 from shared.celery_app import VidqCelery
 from shared.config import Settings
 from shared.db import session_scope
-from shared.dispatch import send_job_after_commit, send_webhook_after_commit
+from shared.dispatch import after_transition_commit
 from shared.errors import JobCancelled, LeaseLost
 from shared.models import Job
 from shared.progress import ProgressPublisher
@@ -51,23 +51,39 @@ def db_unreachable(exc: BaseException) -> bool:
     return isinstance(exc, DBAPIError) and bool(exc.connection_invalidated)
 
 
+def _backoff(settings: Settings) -> wait_random_exponential:
+    """Exponential from ``worker_db_retry_base_s``, ×2, capped at ``worker_db_retry_max_s``, full jitter: a
+    dependency that comes back is seen within about the cap."""
+    return wait_random_exponential(multiplier=settings.worker_db_retry_base_s, max=settings.worker_db_retry_max_s)
+
+
 def _retry_db(fn: Callable[[], T], *, settings: Settings, deadline: float, what: str, ctx: dict[str, str]) -> T:
     """``fn()`` again and again while Postgres is unreachable, until ``deadline`` (time.monotonic()); then the
-    last error is raised. Exponential backoff with jitter, capped at ``worker_db_retry_max_s``: a database that
-    comes back is seen within about that long. Any other error is raised at once."""
-    tries = 0
-    while True:
-        try:
-            return fn()
-        except Exception as exc:
-            left = deadline - time.monotonic()
-            if not db_unreachable(exc) or left <= 0:
-                raise
-            if tries % 30 == 0:  # once at the start, then about every 30 s at the cap: not a line per try
-                log.warning(f"Postgres unreachable at {what}; retrying", extra={**ctx, "error": repr(exc)[:300]})
-            cap = min(settings.worker_db_retry_max_s, settings.worker_db_retry_base_s * 2 ** min(tries, 30))
-            time.sleep(min(left, cap * random.uniform(0.5, 1.0)))
-            tries += 1
+    last error is raised. Any other error is raised at once."""
+
+    def log_wait(state: RetryCallState) -> None:
+        if state.attempt_number % 30 == 1:  # once at the start, then about every 30 s at the cap
+            error = state.outcome.exception() if state.outcome else None
+            log.warning(f"Postgres unreachable at {what}; retrying", extra={**ctx, "error": repr(error)[:300]})
+
+    retrying = Retrying(
+        retry=retry_if_exception(db_unreachable),
+        stop=stop_after_delay(max(0.0, deadline - time.monotonic())),
+        wait=_backoff(settings),
+        before_sleep=log_wait,
+        reraise=True,
+    )
+    return retrying(fn)
+
+
+def _settle(settings: Settings, celery: VidqCelery, transition: Callable[[Session], Job | None]) -> Job | None:
+    """One transition out of ``running`` in its own unit of work; what must follow it goes out after the commit
+    (shared/dispatch.py ``after_transition_commit``). None when the fencing token no longer holds."""
+    with session_scope(settings) as session:
+        job = transition(session)
+        if job is not None:
+            after_transition_commit(session, celery, job)
+        return job
 
 
 def worker_id() -> str:
@@ -151,11 +167,7 @@ def _run_job(
         # 5. Finalize only with our fencing token: a stale attempt changes nothing, so retrying it while Postgres
         #    is down is safe (for up to a lease: by then the sweeper may have handed the job to another attempt).
         def finalize() -> Job | None:
-            with session_scope(settings) as session:
-                done = succeed(session, job_id, token=token, output=outcome)
-                if done is not None:
-                    send_webhook_after_commit(session, celery, done)
-                return done
+            return _settle(settings, celery, lambda s: succeed(s, job_id, token=token, output=outcome))
 
         done = _retry_db(
             finalize, settings=settings, deadline=time.monotonic() + settings.lease_s, what="finalize", ctx=ctx
@@ -163,15 +175,9 @@ def _run_job(
         if done is None:
             log.warning("finalize refused: fencing token is stale", extra=ctx)
             return "stale"
-        progress.finished(job_id, status=done.status)
         return "succeeded"
     except JobCancelled:
-        with session_scope(settings) as session:
-            cancelled = cancelled_by_worker(session, job_id, token=token)
-            if cancelled is not None:
-                send_webhook_after_commit(session, celery, cancelled)
-        if cancelled is not None:
-            progress.finished(job_id, status=cancelled.status)
+        _settle(settings, celery, lambda s: cancelled_by_worker(s, job_id, token=token))
         log.info("cancelled at a denoising step", extra=ctx)
         return "cancelled"
     except LeaseLost:
@@ -181,7 +187,6 @@ def _run_job(
         return _fail(
             settings,
             celery,
-            progress=progress,
             job_id=job_id,
             token=token,
             code="time_limit",
@@ -193,23 +198,17 @@ def _run_job(
         reason = f"transient: {type(exc).__name__}"
 
         def release() -> Job | None:
-            with session_scope(settings) as session:
-                job = release_for_retry(session, job_id, token=token, reason=reason)
-                if job is not None:
-                    send_job_after_commit(session, celery, job)
-                return job
+            return _settle(settings, celery, lambda s: release_for_retry(s, job_id, token=token, reason=reason))
 
         # The release needs Postgres too: retried for up to a lease; past that run_job leaves the job to its lease.
         released = _retry_db(
             release, settings=settings, deadline=time.monotonic() + settings.lease_s, what="release", ctx=ctx
         )
-        if released is not None:
-            progress.finished(job_id, status=released.status)  # queued again: streams read it, then hear the claim
+        if released is not None:  # queued again: its next message and a notice to its streams follow the commit
             return "retrying"
         return _fail(
             settings,
             celery,
-            progress=progress,
             job_id=job_id,
             token=token,
             code="transient_exhausted",
@@ -220,26 +219,20 @@ def _run_job(
 
         code = "invalid_for_model" if isinstance(exc, PermanentRenderError) else "render_failed"
         log.exception("render failed", extra=ctx)
-        return _fail(settings, celery, progress=progress, job_id=job_id, token=token, code=code, message=f"{exc}")
+        return _fail(settings, celery, job_id=job_id, token=token, code=code, message=f"{exc}")
 
 
 def _fail(
     settings: Settings,
     celery: VidqCelery,
     *,
-    progress: ProgressPublisher,
     job_id: uuid.UUID,
     token: int,
     code: str,
     message: str,
 ) -> str:
     FAILURES.labels(code).inc()
-    with session_scope(settings) as session:
-        failed = fail(session, job_id, token=token, code=code, message=message)
-        if failed is not None:
-            send_webhook_after_commit(session, celery, failed)
-    if failed is not None:
-        progress.finished(job_id, status=failed.status)
+    _settle(settings, celery, lambda s: fail(s, job_id, token=token, code=code, message=message))
     return "failed"
 
 
@@ -264,7 +257,7 @@ def _upload(
     for attempt in Retrying(
         retry=retry_if_exception(s3_unreachable),
         stop=stop_after_delay(settings.worker_upload_retry_s),
-        wait=wait_random_exponential(multiplier=settings.worker_db_retry_base_s, max=settings.worker_db_retry_max_s),
+        wait=_backoff(settings),
         before_sleep=log_wait,
         reraise=True,
     ):

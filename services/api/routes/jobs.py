@@ -12,7 +12,7 @@ from services.api import jobs_service
 from services.api.deps import SessionDep, SettingsDep, TenantDep
 from services.api.metrics import SUBMITS
 from services.api.store import JobStore
-from shared.dispatch import send_job_committed, send_webhook_after_commit
+from shared.dispatch import after_transition_commit, send_job_committed
 from shared.presenters import present_job
 from shared.schemas import ERROR_RESPONSES, JobCreate, JobOut, JobPage
 from shared.states import JobStatus, request_cancel
@@ -73,8 +73,7 @@ def cancel_job(
     job_id: uuid.UUID, request: Request, session: SessionDep, settings: SettingsDep, tenant: TenantDep
 ) -> JobOut:
     job = request_cancel(session, job_id, tenant_id=tenant.id)
-    send_webhook_after_commit(session, request.app.state.celery, job)  # when the cancel finished it
+    if JobStatus(job.status).is_terminal():  # cancelled while queued (a running job stops at its next step)
+        after_transition_commit(session, request.app.state.celery, job)
     session.commit()
-    if JobStatus(job.status).is_terminal():  # cancelled while queued: its progress streams end now
-        request.app.state.celery.progress.finished(job.id, status=job.status)
     return present_job(job, settings=settings, storage=request.app.state.storage)

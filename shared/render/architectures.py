@@ -23,9 +23,65 @@ from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
 from shared.render.precision import cast_like_from_pretrained, materialise_on, text_encoder_fp32_modules
 from shared.render.tokenizer import build_tokenizer
 
+TINY_WAN = "tiny-wan"
+WAN21_13B_ARCH = "wan2.1-1.3b-arch"
+# The origin of each built-in model's weights (seeded random initialisation): part of its embeddings' cache
+# identity (shared/render/text.py). Change it whenever a builder's seeding or initialisation changes.
+TINY_WAN_BUILD = "vidq/tiny-wan/seed0/v1"
+WAN21_BUILD = "vidq/wan2.1-1.3b-arch/seed0/v1"
 
-def build_tiny_wan(*, device: torch.device, dtype: torch.dtype) -> WanPipeline:
-    """Tiny Wan with seeded random weights (sizes of diffusers' own Wan pipeline tests). It renders noise."""
+
+def tiny_wan_text_config(vocab_size: int) -> UMT5Config:
+    return UMT5Config(
+        vocab_size=vocab_size,
+        d_model=32,  # must equal the transformer's text_dim
+        d_kv=8,
+        d_ff=37,
+        num_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        dropout_rate=0.0,
+    )
+
+
+def wan21_text_config() -> UMT5Config:
+    """UMT5-XXL as Wan2.1 ships it (5.7B parameters, ≈ 11 GiB in bf16)."""
+    return UMT5Config(
+        vocab_size=256384,
+        d_model=4096,
+        d_kv=64,
+        d_ff=10240,
+        num_layers=24,
+        num_heads=64,
+        relative_attention_num_buckets=32,
+        relative_attention_max_distance=128,
+        feed_forward_proj="gated-gelu",
+        dropout_rate=0.0,
+    )
+
+
+def build_tiny_wan_text_encoder(*, device: torch.device, dtype: torch.dtype) -> UMT5EncoderModel:
+    """Tiny Wan's text encoder alone: the same weights ``build_tiny_wan`` gives its pipeline."""
+    with materialise_on(torch.device("cpu"), torch.float32):
+        torch.manual_seed(0)
+        encoder = UMT5EncoderModel(tiny_wan_text_config(len(build_tokenizer())))
+    cast_like_from_pretrained(encoder, dtype, keep_fp32=text_encoder_fp32_modules(encoder, dtype))
+    return encoder.to(device).eval()
+
+
+def build_wan21_text_encoder(*, device: torch.device, dtype: torch.dtype) -> UMT5EncoderModel:
+    """Wan2.1's UMT5-XXL alone, materialised straight on ``device`` in ``dtype``: the same weights
+    ``build_wan21_13b_arch`` gives its pipeline."""
+    with materialise_on(device, dtype):
+        torch.manual_seed(0)
+        encoder = UMT5EncoderModel(wan21_text_config())
+    cast_like_from_pretrained(encoder, dtype, keep_fp32=text_encoder_fp32_modules(encoder, dtype))
+    return encoder.eval()
+
+
+def build_tiny_wan(*, device: torch.device, dtype: torch.dtype, text_encoder: bool = True) -> WanPipeline:
+    """Tiny Wan with seeded random weights (sizes of diffusers' own Wan pipeline tests). It renders noise.
+    ``text_encoder=False`` leaves the encoder out: the pipeline then takes prompt embeddings only."""
     tokenizer = build_tokenizer()
     # Built on the CPU in fp32 with a seed before each module, so the weights are the same on every machine.
     with materialise_on(torch.device("cpu"), torch.float32):
@@ -38,18 +94,7 @@ def build_tiny_wan(*, device: torch.device, dtype: torch.dtype) -> WanPipeline:
             temperal_downsample=[False, True, True],
         )
         torch.manual_seed(0)
-        text_encoder = UMT5EncoderModel(
-            UMT5Config(
-                vocab_size=len(tokenizer),
-                d_model=32,  # must equal the transformer's text_dim
-                d_kv=8,
-                d_ff=37,
-                num_layers=2,
-                num_heads=4,
-                relative_attention_num_buckets=8,
-                dropout_rate=0.0,
-            )
-        )
+        encoder = UMT5EncoderModel(tiny_wan_text_config(len(tokenizer))) if text_encoder else None
         torch.manual_seed(0)
         transformer = WanTransformer3DModel(
             patch_size=(1, 2, 2),
@@ -66,29 +111,16 @@ def build_tiny_wan(*, device: torch.device, dtype: torch.dtype) -> WanPipeline:
             rope_max_seq_len=32,
         )
     scheduler = FlowMatchEulerDiscreteScheduler(shift=7.0)
-    return _assemble(tokenizer, text_encoder, transformer, vae, scheduler, device=device, dtype=dtype)
+    return _assemble(tokenizer, encoder, transformer, vae, scheduler, device=device, dtype=dtype)
 
 
-def build_wan21_13b_arch(*, device: torch.device, dtype: torch.dtype) -> WanPipeline:
-    """Wan2.1-T2V-1.3B at full size with random weights: the real model's cost, noise for output."""
+def build_wan21_13b_arch(*, device: torch.device, dtype: torch.dtype, text_encoder: bool = True) -> WanPipeline:
+    """Wan2.1-T2V-1.3B at full size with random weights: the real model's cost, noise for output.
+    ``text_encoder=False`` leaves out UMT5-XXL (≈ 11 GiB in bf16): the pipeline then takes prompt embeddings only."""
     # Materialise straight on the target device in the target dtype: the 5.7B-parameter UMT5-XXL encoder would
     # need 23 GB of host RAM in fp32 first, and a host-to-device copy of it costs more than the GPU init does.
+    encoder = build_wan21_text_encoder(device=device, dtype=dtype) if text_encoder else None
     with materialise_on(device, dtype):
-        torch.manual_seed(0)
-        text_encoder = UMT5EncoderModel(
-            UMT5Config(
-                vocab_size=256384,
-                d_model=4096,
-                d_kv=64,
-                d_ff=10240,
-                num_layers=24,
-                num_heads=64,
-                relative_attention_num_buckets=32,
-                relative_attention_max_distance=128,
-                feed_forward_proj="gated-gelu",
-                dropout_rate=0.0,
-            )
-        )
         torch.manual_seed(0)
         transformer = WanTransformer3DModel(
             patch_size=(1, 2, 2),
@@ -110,12 +142,12 @@ def build_wan21_13b_arch(*, device: torch.device, dtype: torch.dtype) -> WanPipe
     scheduler = UniPCMultistepScheduler(
         prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000, flow_shift=3.0
     )
-    return _assemble(build_tokenizer(), text_encoder, transformer, vae, scheduler, device=device, dtype=dtype)
+    return _assemble(build_tokenizer(), encoder, transformer, vae, scheduler, device=device, dtype=dtype)
 
 
 def _assemble(
     tokenizer: PreTrainedTokenizerFast,
-    text_encoder: UMT5EncoderModel,
+    text_encoder: UMT5EncoderModel | None,
     transformer: WanTransformer3DModel,
     vae: AutoencoderKLWan,
     scheduler: SchedulerMixin,
@@ -126,16 +158,18 @@ def _assemble(
     # The precision from_pretrained(dtype=...) would give a real checkpoint: dtype, except the modules each
     # library lists as fp32-only. The VAE is left in the fp32 it was built in (see registry.build_pipeline).
     cast_like_from_pretrained(transformer, dtype, keep_fp32=WanTransformer3DModel._keep_in_fp32_modules or ())
-    cast_like_from_pretrained(text_encoder, dtype, keep_fp32=text_encoder_fp32_modules(text_encoder, dtype))
+    if text_encoder is not None:
+        cast_like_from_pretrained(text_encoder, dtype, keep_fp32=text_encoder_fp32_modules(text_encoder, dtype))
     pipe = WanPipeline(
         tokenizer=tokenizer,  # type: ignore[arg-type]  # annotated AutoTokenizer, takes any tokenizer
-        text_encoder=text_encoder,
+        text_encoder=text_encoder,  # type: ignore[arg-type]  # None: the pipeline takes embeddings only
         vae=vae,
         scheduler=scheduler,  # type: ignore[arg-type]  # annotated FlowMatchEuler, takes any scheduler
         transformer=transformer,
     )
     pipe.to(device)
     for module in (text_encoder, transformer, vae):
-        module.eval()  # modules built by hand start in training mode (dropout on); from_pretrained ones don't
+        if module is not None:
+            module.eval()  # modules built by hand start in training mode (dropout on); from_pretrained ones don't
     pipe.set_progress_bar_config(disable=True)  # progress goes through on_step
     return pipe

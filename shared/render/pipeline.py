@@ -20,11 +20,19 @@ import torch
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline  # the root re-exports a placeholder to mypy
 
 from shared.render.precision import dtype_name
+from shared.render.text import (
+    MAX_SEQUENCE_LENGTH,
+    EncoderIdentity,
+    encoder_identity,
+    pad,
+    pipeline_text_encoder,
+    texts_of,
+)
 from shared.spec import GenerationSpec
 
 StepCallback = Callable[[int, int], None]
-
-MAX_SEQUENCE_LENGTH = 512  # what WanPipeline.__call__ uses; encode_prompt's own default (226) differs
+# Texts to their real-token embedding rows (shared/render/text.py): the worker passes the embedding cache's lookup.
+TextRows = Callable[[list[str]], list[torch.Tensor]]
 
 
 class PermanentRenderError(Exception):
@@ -43,7 +51,15 @@ class RenderResult:
 class VideoPipeline:
     """A built diffusers pipeline kept warm on its device, with ``generate`` as its one entry point."""
 
-    def __init__(self, pipe: DiffusionPipeline, *, model: str, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        pipe: DiffusionPipeline,
+        *,
+        model: str,
+        device: torch.device,
+        dtype: torch.dtype,
+        identity: EncoderIdentity | None = None,
+    ) -> None:
         for attribute in ("encode_prompt", "vae", "video_processor"):
             if not hasattr(pipe, attribute):
                 name = type(pipe).__name__
@@ -53,11 +69,23 @@ class VideoPipeline:
         self.model = model
         self.device = device
         self.dtype = dtype
+        # What its prompt embeddings are cached under; from the model's configuration unless given.
+        self.identity = identity or encoder_identity(model, dtype=dtype)
+        self.encoder = pipeline_text_encoder(pipe, self.identity)  # None: built without one (remote text encoding)
 
-    def generate(self, spec: GenerationSpec, *, on_step: StepCallback | None = None) -> RenderResult:
+    def encode_texts(self, texts: list[str]) -> list[torch.Tensor]:
+        """Encode with the pipeline's own text encoder, one text at a time as ``encode_prompt`` does."""
+        if self.encoder is None:
+            raise RuntimeError(f"{self.model} was built without its text encoder: embeddings must come from elsewhere")
+        return self.encoder.encode(texts)
+
+    def generate(
+        self, spec: GenerationSpec, *, on_step: StepCallback | None = None, text_rows: TextRows | None = None
+    ) -> RenderResult:
         """Render ``spec`` to uint8 RGB frames.
 
-        ``on_step(done, total)`` runs after every denoising step. Whatever it raises (a cancelled job's
+        ``text_rows`` gives the prompt's (and negative prompt's) embedding rows; by default the pipeline's own
+        encoder computes them. ``on_step(done, total)`` runs after every denoising step. Whatever it raises (a cancelled job's
         ``JobCancelled``) stops the render at once and propagates unchanged; its intermediate tensors are
         released before the exception leaves. A ``ValueError`` from the model becomes
         ``PermanentRenderError``.
@@ -68,7 +96,9 @@ class VideoPipeline:
         from_on_step: list[BaseException] = []  # tells on_step's own errors apart from the model's
         timings: dict[str, float] = {}
         try:
-            frames = self._render(spec, on_step=on_step, from_on_step=from_on_step, timings=timings)
+            frames = self._render(
+                spec, text_rows or self.encode_texts, on_step=on_step, from_on_step=from_on_step, timings=timings
+            )
         except BaseException as exc:
             # The traceback pins every frame it passed through, and with them the latents, embeddings and
             # activations. Drop those frames' locals now so the memory goes back to the device while the
@@ -92,6 +122,7 @@ class VideoPipeline:
     def _render(
         self,
         spec: GenerationSpec,
+        text_rows: TextRows,
         *,
         on_step: StepCallback | None,
         from_on_step: list[BaseException],
@@ -101,7 +132,7 @@ class VideoPipeline:
             started = stage = self._clock()
 
             # 1. Encode the prompt (and the negative prompt when classifier-free guidance is on).
-            prompt_embeds, negative_embeds = self._encode_text(spec)
+            prompt_embeds, negative_embeds = self._encode_text(spec, text_rows)
             timings["encode_text"], stage = self._lap(stage)
 
             # 2. Denoise in latent space, reporting each step.
@@ -117,16 +148,11 @@ class VideoPipeline:
             timings["total"] = self._clock() - started
         return frames
 
-    def _encode_text(self, spec: GenerationSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
-        prompt_embeds, negative_embeds = self.pipe.encode_prompt(
-            prompt=spec.prompt,
-            negative_prompt=spec.negative_prompt,
-            do_classifier_free_guidance=spec.guidance_scale > 1.0,  # the rule WanPipeline itself applies
-            num_videos_per_prompt=1,
-            max_sequence_length=MAX_SEQUENCE_LENGTH,
-            device=self.device,
-        )
-        return prompt_embeds, negative_embeds
+    def _encode_text(self, spec: GenerationSpec, text_rows: TextRows) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The (1, 512, hidden) embeddings ``encode_prompt`` would give: the rows zero-padded to 512."""
+        texts = list(texts_of(spec.prompt, spec.negative_prompt, spec.guidance_scale))
+        embeds = pad(text_rows(texts), max_sequence_length=MAX_SEQUENCE_LENGTH, device=self.device)
+        return embeds[:1], (embeds[1:2] if len(texts) == 2 else None)
 
     def _denoise(
         self,

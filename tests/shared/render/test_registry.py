@@ -246,6 +246,7 @@ def test_pipeline_for_reads_only_the_settings_it_is_given(tmp_path: Path) -> Non
         device = "cpu"
         cuda_dtype = "bfloat16"
         model_dir = str(tmp_path / "not-a-pipeline")  # read for "local" only
+        worker_text_encoder = "local"
 
     clear_pipeline_cache()
     try:

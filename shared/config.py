@@ -138,6 +138,54 @@ class Settings(BaseSettings):
     model_dir: str | None = None  # local diffusers folder served as model "local"
     device: str | None = None  # "cuda", "cpu"; None = cuda if available
     cuda_dtype: Literal["bfloat16", "float16"] = "bfloat16"
+    # local: the worker loads the model's text encoder and encodes what no cache tier holds. remote: it never loads
+    # the encoder (UMT5-XXL is ≈ 11 GiB of VRAM); what no tier holds it asks the prewarmer for.
+    worker_text_encoder: Literal["local", "remote"] = "local"
+    # remote: how long a worker waits for the prewarmer's answer before it gives the job back (retryable).
+    worker_remote_encode_timeout_s: float = 30.0
+
+    # --- text-embedding cache (shared/textcache) ------------------------------------------------------------
+    cache_enabled: bool = True  # false: every job encodes its prompts, nothing is looked up or stored
+    cache_l1_max_bytes: int = 512 * 1024 * 1024  # each worker's in-process LRU, by tensor bytes
+    # L2 (hot, small, short TTL; may be node-local) and L3 (warm, large, long TTL, compressed) Redis URLs. Empty:
+    # the broker's Redis, under the broker key prefix. "off": the tier is not used.
+    cache_l2_url: str = ""
+    cache_l3_url: str = ""
+    cache_l2_ttl_s: int = 3600
+    cache_l3_ttl_s: int = 7 * 24 * 3600
+    cache_l3_zstd_level: int = 3
+    cache_redis_timeout_s: float = 0.5  # one cache call; a slow or dead tier must not hold a job up
+    cache_tier_backoff_s: float = 10.0  # a tier whose call failed is skipped this long (then tried again)
+    # Forward prewarm: an L2 hit also pulls the prompts of the next this-many queued jobs from L2/L3 into L1.
+    cache_forward_jobs: int = 3
+    # Hit-rate monitors: lookups counted per tier in windows of this many seconds, cluster-wide (broker Redis).
+    cache_window_s: float = 10.0
+    cache_window_retention_s: int = 3600
+    cache_hit_rate_threshold: float = 0.85
+    cache_low_windows: int = 3  # windows in a row below the threshold that start cold-start compensation
+    cache_recover_windows: int = 1  # windows in a row at or above it (every tier) that end it
+    cache_monitor_min_lookups: int = 20  # a window with fewer lookups at a tier says nothing about that tier
+    cache_monitored_tiers: list[str] = Field(default_factory=lambda: ["l1", "l2", "l3"])
+    # Compensation: what workers write to L2 that is not core (the hottest cache_core_keys prompts) lives this long.
+    cache_compensation_l2_ttl_s: int = 30
+    cache_core_keys: int = 1000
+    # The frequency sketch of prompts (top-K with decay, in the broker Redis): its size and its half-life.
+    cache_hot_max: int = 10_000
+    cache_hot_half_life_s: float = 3600.0
+
+    # --- prewarmer (services/prewarmer) -------------------------------------------------------------------------
+    prewarmer_models: list[str] = Field(default_factory=list)  # whose encoders it loads; empty = default_model
+    prewarmer_device: str | None = None  # "cuda", "cpu"; None = cuda if available
+    # The dtype it encodes in: the workers' compute dtype (a CPU prewarmer for bf16 GPU workers sets bfloat16).
+    # Unset: what a worker on this machine would use (settings.device and cuda_dtype).
+    prewarmer_dtype: Literal["bfloat16", "float16", "float32"] | None = None
+    prewarmer_interval_s: float = 1.0  # a cycle: answer workers, scan the queues, refill hot prompts
+    prewarmer_concurrency: int = 8  # prompts encoded per batch (×2 in compensation)
+    prewarmer_scan_jobs: int = 256  # queued jobs read per queue per cycle
+    prewarmer_hot_per_cycle: int = 64  # hottest prompts checked per cycle (×2 in compensation)
+    prewarmer_metrics_port: int = 9810  # Prometheus /metrics of the prewarmer (0 = off)
+    prewarmer_liveness_file: str = "/tmp/vidq-prewarmer-alive"  # touched after every cycle
+    prewarmer_liveness_max_age_s: float = 120.0
 
     # --- webhooks -----------------------------------------------------------------------------------------------
     webhook_timeout_s: float = 10.0
@@ -150,7 +198,11 @@ class Settings(BaseSettings):
     webhook_resend_grace_s: float = 60.0  # a finished job with no delivery attempt after this is handed over again
     webhook_allow_private: bool = False  # loopback/private/link-local targets (tests and the demo only)
 
-    @field_validator("device", "model_dir", "s3_public_secure", mode="before")
+    # --- operators ----------------------------------------------------------------------------------------------
+    # Bearer token of the operator endpoints (/v1/admin/…: cache statistics). Empty: those endpoints answer 404.
+    admin_token: str = ""
+
+    @field_validator("device", "model_dir", "s3_public_secure", "prewarmer_device", "prewarmer_dtype", mode="before")
     @classmethod
     def _empty_is_unset(cls, value: object) -> object:
         # `VIDQ_DEVICE=` in an env file means "not set" (auto), not the empty string.

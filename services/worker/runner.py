@@ -34,6 +34,7 @@ from shared.progress import ProgressPublisher
 from shared.spec import GenerationSpec
 from shared.states import JobStatus, cancelled_by_worker, claim, fail, release_for_retry, succeed
 from shared.storage import Storage, StoredObject, poster_key, video_key
+from shared.textcache.remote import EmbeddingsUnavailable
 
 log = logging.getLogger("vidq.worker.runner")
 
@@ -161,7 +162,7 @@ def _run_job(
     try:
         with Lease(settings, job_id=job_id, token=token, progress=progress) as lease, BUSY.track_inprogress():
             outcome = _render_and_store(
-                spec, settings=settings, storage=storage, lease=lease, tenant_id=tenant_id, job_id=job_id
+                spec, celery=celery, storage=storage, lease=lease, tenant_id=tenant_id, job_id=job_id
             )
 
         # 5. Finalize only with our fencing token: a stale attempt changes nothing, so retrying it while Postgres
@@ -192,10 +193,20 @@ def _run_job(
             code="time_limit",
             message="task time limit",
         )
-    except (OperationalError, S3Error, Urllib3Error, ConnectionError, TimeoutError, OSError) as exc:
-        # Transient (DB, S3, network): hand the job back for another attempt, or fail once attempts are spent.
+    except (
+        EmbeddingsUnavailable,
+        OperationalError,
+        S3Error,
+        Urllib3Error,
+        ConnectionError,
+        TimeoutError,
+        OSError,
+    ) as exc:
+        # Transient (DB, S3, network, no text encoder answering): hand the job back for another attempt, or fail
+        # once attempts are spent.
         log.warning("transient failure", extra={**ctx, "error": repr(exc)})
-        reason = f"transient: {type(exc).__name__}"
+        unavailable = isinstance(exc, EmbeddingsUnavailable)
+        reason = "embeddings_unavailable" if unavailable else f"transient: {type(exc).__name__}"
 
         def release() -> Job | None:
             return _settle(settings, celery, lambda s: release_for_retry(s, job_id, token=token, reason=reason))
@@ -211,8 +222,8 @@ def _run_job(
             celery,
             job_id=job_id,
             token=token,
-            code="transient_exhausted",
-            message=repr(exc),
+            code="embeddings_unavailable" if unavailable else "transient_exhausted",
+            message=str(exc) if unavailable else repr(exc),
         )
     except Exception as exc:
         from shared.render.pipeline import PermanentRenderError
@@ -270,19 +281,22 @@ def _upload(
 def _render_and_store(
     spec: GenerationSpec,
     *,
-    settings: Settings,
+    celery: VidqCelery,
     storage: Storage,
     lease: Lease,
     tenant_id: str,
     job_id: uuid.UUID,
 ) -> dict[str, object]:
+    from services.worker.embeddings import text_rows
     from shared.render.registry import pipeline_for
     from shared.render.video import encode_mp4, write_poster
 
-    # 2. Render (the pipeline is loaded once per process and kept warm); on_step reports progress and stops
-    #    the denoising loop at the next step when the job is cancelled.
+    # 2. Render (the pipeline is loaded once per process and kept warm); the prompt embeddings come from the
+    #    embedding cache (services/worker/embeddings.py); on_step reports progress and stops the denoising loop at
+    #    the next step when the job is cancelled.
+    settings = celery.settings
     pipeline = pipeline_for(spec.model, settings)
-    result = pipeline.generate(spec, on_step=lease.on_step)
+    result = pipeline.generate(spec, on_step=lease.on_step, text_rows=text_rows(celery, pipeline))
     lease.check()
     timings: dict[str, float] = {k: round(v, 4) for k, v in result.timings_s.items()}
     with tempfile.TemporaryDirectory(prefix="vidq-") as tmp:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -211,3 +211,86 @@ def sweep_alive() -> None:
         typer.echo(f"stale or missing: {settings.sweeper_liveness_file}", err=True)
         raise typer.Exit(code=1)
     typer.echo("alive")
+
+
+@app.command()
+def prewarmer(once: Annotated[bool, typer.Option("--once/--forever")] = False) -> None:
+    """Run the prewarmer: loads the text encoder (GPU if there is one), fills the L2/L3 embedding caches with the
+    prompts of queued jobs and the hottest prompts, answers encoder-free workers, and switches to cold-start
+    compensation when the hit-rate monitors fall. SIGTERM ends it after the current cycle."""
+    import signal
+    import threading
+
+    from prometheus_client import start_http_server
+
+    from services.prewarmer.service import Prewarmer, load_encoders
+    from shared.config import get_settings
+    from shared.logs import configure_logging
+
+    settings = get_settings()
+    configure_logging(level=settings.log_level, json_logs=settings.log_json)
+    service = Prewarmer(settings, encoders=load_encoders(settings))
+    if once:
+        report = service.cycle()
+        typer.echo(json.dumps({**report.__dict__, "skipped_models": sorted(report.skipped_models)}))
+        return
+    if settings.prewarmer_metrics_port:
+        start_http_server(settings.prewarmer_metrics_port)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    service.run_forever(stop)
+
+
+@app.command("prewarmer-alive")
+def prewarmer_alive() -> None:
+    """Liveness probe for `vidq prewarmer`: exit 0 if its loop touched the liveness file recently (after every
+    cycle, failed ones too)."""
+    from pathlib import Path
+
+    from shared.config import get_settings
+    from shared.liveness import is_alive
+
+    settings = get_settings()
+    if not is_alive(Path(settings.prewarmer_liveness_file), max_age_s=settings.prewarmer_liveness_max_age_s):
+        typer.echo(f"stale or missing: {settings.prewarmer_liveness_file}", err=True)
+        raise typer.Exit(code=1)
+    typer.echo("alive")
+
+
+cache_app = typer.Typer(no_args_is_help=True, help="The text-embedding cache.")
+app.add_typer(cache_app, name="cache")
+
+
+@cache_app.command("stats")
+def cache_stats(
+    windows: Annotated[int, typer.Option(help="complete windows to show, newest last")] = 6,
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+) -> None:
+    """Cluster-wide hit rates per tier in the last windows, and the prewarmer's mode."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from shared.config import get_settings
+    from shared.textcache.stats import stats_for
+
+    data = stats_for(get_settings(), windows=windows)
+    if as_json:
+        typer.echo(json.dumps(data))
+        return
+
+    def cell(t: dict[str, Any]) -> str:
+        if t["hit_rate"] is None:
+            return "-"
+        return f"{t['hit_rate']:.1%} ({t['hits']}/{t['hits'] + t['misses']})"
+
+    table = Table(title=f"embedding cache — mode {data['mode']}, {data['window_s']:g} s windows")
+    for column in ("window start (UTC)", "l1", "l2", "l3", "overall"):
+        table.add_column(column)
+    import datetime as dt
+
+    for w in data["windows"]:
+        start = dt.datetime.fromtimestamp(w["start"], dt.UTC).strftime("%H:%M:%S")
+        table.add_row(start, *(cell(w[t]) for t in ("l1", "l2", "l3", "overall")))
+    table.add_row("total", *(cell(data["totals"][t]) for t in ("l1", "l2", "l3", "overall")))
+    Console().print(table)

@@ -3,7 +3,7 @@
 Code that changes a job registers the message in its unit of work (``send_job_after_commit``,
 ``send_webhook_after_commit``); nothing is sent before the transaction commits, nothing at all when it rolls back.
 After the commit each message goes to the broker (the API's async submit, which commits without a session, hands
-it to a sender thread: ``send_job_committed``); the sends are then recorded (``jobs.enqueued_at``) off the hot
+it to a sender thread: ``send_committed``); the sends are then recorded (``jobs.enqueued_at``) off the hot
 path, by one background thread per process that writes them in batches (one UPDATE per queue, every few tens of
 milliseconds), so a submit costs one transaction. Neither step raises: a failed send or a lost record leaves
 ``enqueued_at`` behind the truth, and the sweeper re-sends — a duplicate message is dropped by the worker's claim,
@@ -79,11 +79,17 @@ def after_transition_commit(session: Session, celery: VidqCelery, job: Job) -> N
         session.info.setdefault(_PENDING, []).append(_StreamNotice(celery, job.id, job.status))
 
 
-def send_job_committed(celery: VidqCelery, job: Job) -> None:
-    """For code that committed the job without a SQLAlchemy session (the API's async submit): the message goes
-    out from a background thread of this process, so the response never waits on the broker. A full backlog (the
-    broker down for long) drops the message: the sweeper sends every job left unsent."""
-    _sender(celery).put(Message(celery, TASK_GENERATE, job.id, job.queue))
+def send_committed(celery: VidqCelery, job: Job) -> None:
+    """For code that committed a new job without a SQLAlchemy session (the API's async submit): a queued job goes
+    to its queue; a job created finished (served from the result cache) sends no video message, only its webhook
+    when it has a URL, as any finished job's. The message goes out from a background thread of this process, so the
+    response never waits on the broker. A full backlog (the broker down for long) drops the message: the sweeper
+    sends every job left unsent, and every webhook still marked pending (``jobs.webhook_pending_since``)."""
+    status = JobStatus(job.status)
+    if status is JobStatus.QUEUED:
+        _sender(celery).put(Message(celery, TASK_GENERATE, job.id, job.queue))
+    elif job.webhook_url and status.is_terminal():
+        _sender(celery).put(Message(celery, TASK_DELIVER_WEBHOOK, job.id, Queue.WEBHOOKS.value))
 
 
 def _register(session: Session, message: Message) -> None:

@@ -83,6 +83,18 @@ class Job(Base):
             "webhook_pending_since",
             postgresql_where=text("webhook_pending_since IS NOT NULL"),
         ),
+        # Submit, result cache (migrations/versions/0004): the tenant's newest succeeded job with the same result
+        # key, one entry read however often that request was served (created_at is the index's own order).
+        Index(
+            "ix_jobs_result_cache",
+            "tenant_id",
+            "result_key",
+            text("created_at DESC"),
+            postgresql_where=text("status = 'succeeded' AND result_key IS NOT NULL"),
+        ),
+        # The jobs reusing a job's video: what the foreign key's ON DELETE SET NULL (and whoever deletes stored
+        # objects) looks up; holds only the jobs served from the result cache.
+        Index("ix_jobs_result_of", "result_of", postgresql_where=text("result_of IS NOT NULL")),
     )
     __mapper_args__ = {"eager_defaults": True}  # created_at comes back with the INSERT
 
@@ -129,9 +141,16 @@ class Job(Base):
     output_frames: Mapped[int | None] = mapped_column(Integer)
     timings: Mapped[dict[str, Any]] = mapped_column(JSONB, default=dict)
 
+    # Result cache: every job's GenerationSpec.result_key (sha256 hex of its whole spec; null only for jobs made
+    # before migration 0004); result_of names the job whose stored video (output_key, poster_key) this one reuses
+    # instead of rendering, null when it rendered its own.
+    result_key: Mapped[str | None] = mapped_column(String(64))
+    result_of: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("jobs.id", ondelete="SET NULL"))
+
 
 class JobTransition(Base):
-    """Audit log: one row per state change (written by shared.states only)."""
+    """Audit log: one row per state change (built by shared.states only: its transitions, and the row of a job
+    created succeeded from the result cache, which the API's async store inserts)."""
 
     __tablename__ = "job_transitions"
 

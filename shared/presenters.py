@@ -60,5 +60,6 @@ def present_job(job: Job, *, settings: Settings, storage: Storage | None) -> Job
         output=output,
         webhook_url=job.webhook_url,
         metadata=job.metadata_ or {},
+        result_of=job.result_of,
         links=job_links(settings, job),
     )

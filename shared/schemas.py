@@ -55,6 +55,11 @@ class JobCreate(BaseModel):
     model: str | None = None
     webhook_url: str | None = None
     metadata: dict[str, MetadataValue] = Field(default_factory=dict)
+    cache: bool = Field(
+        default=True,
+        description="false: always render, never reuse a stored result. true (the default): a job whose resolved "
+        "parameters equal those of one of this tenant's succeeded jobs finishes at once with that job's video",
+    )
 
     @field_validator("metadata")
     @classmethod
@@ -151,8 +156,10 @@ class JobCreate(BaseModel):
         return problems
 
     def fingerprint(self) -> str:
-        """What makes two submissions 'the same request' for Idempotency-Key (the body as sent, canonical)."""
-        body = self.model_dump(mode="json", exclude_none=False)
+        """What makes two submissions 'the same request' for Idempotency-Key (the body as sent, canonical). ``cache``
+        is part of the body (``false`` is another request), but left out at its default so that keys stored before
+        the field existed still match their retries."""
+        body = self.model_dump(mode="json", exclude_none=False, exclude={"cache"} if self.cache else None)
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
@@ -230,6 +237,9 @@ class JobOut(GenerationSpec):
     output: OutputOut | None
     webhook_url: str | None
     metadata: dict[str, Any]
+    result_of: uuid.UUID | None = Field(
+        description="the job whose stored video this job reuses (result cache); null when rendered"
+    )
     links: dict[str, str]
 
 

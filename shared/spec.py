@@ -4,10 +4,15 @@
 API's job body extends it (shared/schemas.py ``JobOut``). The request (``JobCreate``) builds its optional fields
 from the same annotated types below, so each rule of the pipeline (H, W multiples of 16; frames 4k+1; steps ≥ 1;
 …) is written once. Caps that an operator sets (``VIDQ_MAX_*``) are checked in ``JobCreate.to_spec``.
+
+``GenerationSpec.result_key`` is the result cache's match key (README, "Result cache"): two jobs of one tenant
+with the same key would render the same video, so the second may reuse the first one's MP4.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from typing import Annotated, Any
 
@@ -41,6 +46,9 @@ Steps = Annotated[int, Field(ge=1)]
 GuidanceScale = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 Seed = Annotated[int, Field(ge=0, le=2**32 - 1)]
 
+# Part of every result key (GenerationSpec.result_key): bumping it retires every stored key at once.
+RESULT_KEY_VERSION = 1
+
 
 def frames_for(duration_s: float, fps: int) -> int:
     """Frames for a clip: the smallest 4k+1 that covers ``duration_s`` at ``fps`` (Wan's VAE needs 4k+1)."""
@@ -67,6 +75,23 @@ class GenerationSpec(BaseModel):
     def to_dict(self) -> dict[str, Any]:
         """The stored form (``jobs.spec``, JSON)."""
         return self.model_dump(mode="json")
+
+    def result_key(self) -> str:
+        """The result cache's match key: sha256 (hex) of the canonical JSON (sorted keys, compact) of EVERY field
+        of the spec, under a version tag.
+
+        Every field is in it because every field is a render parameter: the spec is exactly what the worker is
+        given, so equal specs ask for the same video, and a spec that differs in anything (the model, either
+        prompt, the seed, size, frames, fps, steps, guidance) may not reuse it. It hashes ``to_dict()`` rather
+        than a list of names, so a render parameter added to this class later is in the key without anyone
+        remembering to add it. What is not a render parameter (webhook URL, metadata, the request's ``cache``
+        flag) is not in the spec, so not in the key. A request without a seed is given a random one when it is
+        resolved (``JobCreate.to_spec``), so it practically never matches: a different seed is a different
+        video. ``RESULT_KEY_VERSION`` is bumped when the same spec would render differently (new weights behind
+        a model name, a changed encoder): keys made before then stop matching."""
+        document = {"v": RESULT_KEY_VERSION, "spec": self.to_dict()}
+        canonical = json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        return hashlib.sha256(canonical.encode()).hexdigest()
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GenerationSpec:

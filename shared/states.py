@@ -8,6 +8,9 @@ caller's ``session_scope`` commits.
     queued ──claim──▶ running ──▶ succeeded | failed | cancelled
       │                  └──lease expired / transient error──▶ queued   (attempt is bumped by the next claim)
       └──cancel / max attempts──▶ cancelled | failed
+
+A job served from the result cache is inserted ``succeeded`` (services/api/jobs_service.py): it never runs, and its
+audit row is the one transition ``NULL → succeeded``, reason ``RESULT_CACHE``, written with ``transition_values``.
 """
 
 from __future__ import annotations
@@ -58,16 +61,35 @@ def _sources(dst: JobStatus) -> list[str]:
     return [s.value for s, targets in ALLOWED.items() if dst in targets]
 
 
-def _record(session: Session, *, job_id: uuid.UUID, src: str | None, dst: JobStatus, attempt: int, reason: str) -> None:
-    session.execute(
-        insert(JobTransition).values(
-            job_id=job_id, from_status=src, to_status=dst.value, attempt=attempt, reason=reason[:200]
-        )
-    )
+# The reason recorded for a job born succeeded: it reuses the video of an identical succeeded job.
+RESULT_CACHE = "result_cache"
+
+
+def transition_values(
+    *, job_id: uuid.UUID, src: str | None, dst: JobStatus, attempt: int, reason: str
+) -> dict[str, Any]:
+    """One ``job_transitions`` row (column names): for every writer of the audit log, this module's transitions
+    and the API's async insert of a job served from the result cache (which logs it with ``log_transition``)."""
+    return {"job_id": job_id, "from_status": src, "to_status": dst.value, "attempt": attempt, "reason": reason[:200]}
+
+
+def log_transition(row: dict[str, Any]) -> None:
     log.info(
         "job transition",
-        extra={"job_id": str(job_id), "from": src, "to": dst.value, "attempt": attempt, "reason": reason},
+        extra={
+            "job_id": str(row["job_id"]),
+            "from": row["from_status"],
+            "to": row["to_status"],
+            "attempt": row["attempt"],
+            "reason": row["reason"],
+        },
     )
+
+
+def _record(session: Session, *, job_id: uuid.UUID, src: str | None, dst: JobStatus, attempt: int, reason: str) -> None:
+    row = transition_values(job_id=job_id, src=src, dst=dst, attempt=attempt, reason=reason)
+    session.execute(insert(JobTransition).values(row))
+    log_transition(row)
 
 
 def _finished(**values: Any) -> dict[str, Any]:
@@ -79,6 +101,20 @@ def _finished(**values: Any) -> dict[str, Any]:
         "finished_at": func.now(),
         "lease_expires_at": None,
         "webhook_pending_since": case((Job.webhook_url.is_not(None), func.now()), else_=None),
+    }
+
+
+def served_from_cache(*, now: datetime, webhook_url: str | None) -> dict[str, Any]:
+    """The state of a job inserted ``succeeded`` because it reuses a stored result: what a finishing transition
+    leaves (``_finished``), at ``now`` (the inserting transaction's clock, as its ``created_at``): never leased nor
+    claimed (attempt 0), and marked for its webhook the same way, so the sweeper hands it over if the send is lost."""
+    return {
+        "status": JobStatus.SUCCEEDED.value,
+        "attempt": 0,
+        "started_at": now,
+        "finished_at": now,
+        "lease_expires_at": None,
+        "webhook_pending_since": now if webhook_url is not None else None,
     }
 
 

@@ -2,7 +2,12 @@
 
 The hot paths (submit, read, list) run on the async store (services/api/store.py), one transaction each. A job's
 row is built in one place, ``job_values``; ``create_job`` inserts the same row through a SQLAlchemy session for
-callers that have one (the sweeper's tests, tools)."""
+callers that have one (the sweeper's tests, tools).
+
+Result cache: a submit whose resolved spec equals that of a succeeded job of the same tenant (the same
+``result_key``, shared/spec.py) is inserted ``succeeded`` in the same transaction, pointing at that job's stored
+objects (``result_of``, no bytes copied, no S3 call), unless the request says ``"cache": false``. Nothing is sent to
+a video queue for it; its webhook goes out as any finished job's."""
 
 from __future__ import annotations
 
@@ -11,30 +16,34 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
+from psycopg import AsyncConnection
+from psycopg.rows import TupleRow
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from services.api.store import JobStore
+from services.api.store import JobStore, ResultSource
 from shared.config import Settings
 from shared.errors import Conflict, IdempotencyKeyReused, InvalidRequest, NotFound
 from shared.models import Job
 from shared.schemas import JobCreate
 from shared.scoring import score_job
 from shared.spec import GenerationSpec
-from shared.states import JobStatus
+from shared.states import RESULT_CACHE, JobStatus, log_transition, served_from_cache, transition_values
 
 if TYPE_CHECKING:
     from services.api.deps import Caller
 
 
 def job_values(settings: Settings, *, tenant_id: uuid.UUID, body: JobCreate, spec: GenerationSpec) -> dict[str, Any]:
-    """A new job's row (attribute names of ``Job``): queued, scored, with its resolved spec."""
+    """A new job's row (attribute names of ``Job``): queued, scored, with its resolved spec and its result key (every
+    job has one, whether or not its request used the cache, so that later identical requests can match it)."""
     score = score_job(settings, prompt=spec.prompt, width=spec.width, height=spec.height, duration_s=body.duration_s)
     return {
         "id": uuid.uuid4(),
         "tenant_id": tenant_id,
         "status": JobStatus.QUEUED.value,
         "spec": spec.to_dict(),
+        "result_key": spec.result_key(),
         "duration_s": body.duration_s,
         "webhook_url": body.webhook_url,
         "metadata_": body.metadata,
@@ -51,7 +60,8 @@ def job_values(settings: Settings, *, tenant_id: uuid.UUID, body: JobCreate, spe
 
 
 def create_job(session: Session, settings: Settings, *, tenant: Caller, body: JobCreate) -> Job:
-    """Insert the job row through a session (flush only; the caller registers the send and commits)."""
+    """Insert the job row through a session (flush only; the caller registers the send and commits): always
+    queued, with its result key but no result-cache lookup (that is the API's submit)."""
     job = Job(**job_values(settings, tenant_id=tenant.id, body=body, spec=body.to_spec(settings)))
     session.add(job)
     session.flush()
@@ -69,13 +79,13 @@ async def submit(
     values = job_values(settings, tenant_id=tenant.id, body=body, spec=spec)
     if idempotency_key is None:
         async with store.transaction() as conn:
-            return await store.insert(conn, values), True
+            return await _insert(store, conn, values, cache=body.cache), True
     fingerprint = body.fingerprint()
     try:
         async with store.transaction() as conn:
             existing = await store.live_key(conn, tenant_id=tenant.id, key=idempotency_key)
             if existing is None:
-                job = await store.insert(conn, values)
+                job = await _insert(store, conn, values, cache=body.cache)
                 expires_at = datetime.now(UTC) + timedelta(seconds=settings.idempotency_ttl_s)
                 if not await store.claim_key(
                     conn,
@@ -94,6 +104,40 @@ async def submit(
         if existing is None:  # theirs expired in the same instant: let the client retry
             raise Conflict("this Idempotency-Key is being reused concurrently; retry the request") from None
     return await _replay(store, tenant=tenant, existing=existing, fingerprint=fingerprint), False
+
+
+async def _insert(store: JobStore, conn: AsyncConnection[TupleRow], values: dict[str, Any], *, cache: bool) -> Job:
+    """Insert the new job in the caller's transaction: served from the result cache when the request allows it and
+    the tenant has a succeeded job with the same result key, else queued (the caller sends it after the commit)."""
+    if cache:
+        source = await store.result_source(conn, tenant_id=values["tenant_id"], result_key=values["result_key"])
+        if source is not None:
+            return await _insert_cached(store, conn, values, source)
+    return await store.insert(conn, values)
+
+
+async def _insert_cached(
+    store: JobStore, conn: AsyncConnection[TupleRow], values: dict[str, Any], source: ResultSource
+) -> Job:
+    """The job inserted succeeded, with ``source``'s stored objects (the same keys) and a reference to it; scored
+    like any job (the same row shape). Its one audit row: created succeeded, reason ``result_cache``."""
+    steps = int(values["spec"]["steps"])
+    job = await store.insert(
+        conn,
+        {
+            **values,
+            **served_from_cache(now=source.now, webhook_url=values["webhook_url"]),
+            **source.output,
+            "result_of": source.job_id,
+            "progress_step": steps,
+            "progress_total": steps,
+            "timings": {"result_cache": True},  # no render stage ran
+        },
+    )
+    row = transition_values(job_id=job.id, src=None, dst=JobStatus.SUCCEEDED, attempt=0, reason=RESULT_CACHE)
+    await store.record_transition(conn, row)
+    log_transition(row)
+    return job
 
 
 class _KeyTaken(Exception):

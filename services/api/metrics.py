@@ -9,6 +9,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 REQUEST_SECONDS = Histogram("vidq_api_request_seconds", "API request latency", ["method", "route", "status"])
 SUBMITS = Counter("vidq_api_submits_total", "Jobs accepted, by priority class", ["priority_class"])
+RESULT_CACHE_HITS = Counter(
+    "vidq_api_result_cache_hits_total", "Jobs accepted and finished at once with a stored result (no render)"
+)
 ERRORS = Counter("vidq_api_errors_total", "Error responses, by stable code and HTTP status", ["code", "status"])
 INFLIGHT = Gauge("vidq_api_inflight_requests", "Requests being handled (admitted)", multiprocess_mode="livesum")
 SHED = Counter("vidq_api_shed_total", "Requests refused with 503 because the process was at capacity")

@@ -1,4 +1,5 @@
-"""The API's hot paths to Postgres: submit, read and list jobs, on psycopg's async connection pool.
+"""The API's hot paths to Postgres: submit (with its result-cache lookup), read and list jobs, on psycopg's async
+connection pool.
 
 Why not the SQLAlchemy session here: measured on a 2-core machine, an INSERT + COMMIT through SQLAlchemy (sync or
 async, Core or ORM) costs 2.3–2.7 ms of CPU, through psycopg directly 1.3 ms, and the thread-pool hop of a sync
@@ -12,6 +13,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -25,12 +27,13 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.sql import ClauseElement
 
 from shared.config import Settings
-from shared.models import IdempotencyKey, Job
+from shared.models import IdempotencyKey, Job, JobTransition
 from shared.states import JobStatus
 
 _DIALECT = postgresql.psycopg.dialect()
 _JOBS: Table = Job.__table__  # type: ignore[assignment]  # declared models' tables are Tables
 _KEYS: Table = IdempotencyKey.__table__  # type: ignore[assignment]
+_TRANSITIONS: Table = JobTransition.__table__  # type: ignore[assignment]
 # Column name → attribute name ("metadata" is ``Job.metadata_``), in the table's column order.
 _ATTRS = [(col.name, attr.key) for attr in Job.__mapper__.column_attrs for col in attr.columns]
 _JSON_COLUMNS = {c.name for c in _JOBS.columns if isinstance(c.type, JSON)}
@@ -63,6 +66,47 @@ _CLAIM_KEY = _sql(
         where=_KEYS.c.expires_at <= func.now(),
     ).returning(_KEYS.c.key)
 )
+
+
+_INSERT_TRANSITION = _sql(
+    insert(_TRANSITIONS).values({c: bindparam(c) for c in ("job_id", "from_status", "to_status", "attempt", "reason")})
+)
+
+# What a job served from the result cache takes over from the job whose render it reuses: the stored objects and
+# what is known of them. The objects are the same (no copy); result_of names their owner.
+RESULT_COLUMNS = ("output_key", "poster_key", "output_bytes", "output_sha256", "output_frames")
+# The tenant's newest succeeded job with this result key (ix_jobs_result_cache, one entry read). The job that
+# rendered it: a match that was itself served from the cache points at its source (no chains of result_of). The
+# status is a literal, so a prepared statement's generic plan can still prove the partial index's predicate; now()
+# is the transaction's clock, the one the new row's created_at gets.
+_RESULT_SOURCE = _sql(
+    select(
+        func.coalesce(_JOBS.c.result_of, _JOBS.c.id),
+        *(_JOBS.c[name] for name in RESULT_COLUMNS),
+        func.now(),
+    )
+    .where(
+        _JOBS.c.tenant_id == bindparam("tenant_id"),
+        _JOBS.c.result_key == bindparam("result_key"),
+        _JOBS.c.status == literal_column(f"'{JobStatus.SUCCEEDED.value}'"),
+    )
+    .order_by(_JOBS.c.created_at.desc())
+    .limit(literal_column("1"))
+)
+
+
+def result_source_query(*, tenant_id: uuid.UUID, result_key: str) -> tuple[str, dict[str, Any]]:
+    """The SQL and parameters of the submit's result-cache lookup (query-plan tests EXPLAIN these)."""
+    return _RESULT_SOURCE, {"tenant_id": tenant_id, "result_key": result_key}
+
+
+@dataclass(frozen=True, slots=True)
+class ResultSource:
+    """A stored result a new job may reuse: the job that rendered it, its output columns, and the clock."""
+
+    job_id: uuid.UUID
+    output: dict[str, Any]  # RESULT_COLUMNS → values
+    now: datetime
 
 
 def _list_sql(*, status: JobStatus | None, after: bool) -> str:
@@ -158,6 +202,21 @@ class JobStore:
         row = await cur.fetchone()
         assert row is not None  # INSERT … RETURNING always returns the row
         return job_from_row(row)
+
+    async def result_source(
+        self, conn: AsyncConnection[TupleRow], *, tenant_id: uuid.UUID, result_key: str
+    ) -> ResultSource | None:
+        sql, params = result_source_query(tenant_id=tenant_id, result_key=result_key)
+        cur = await conn.execute(sql, params)
+        row = await cur.fetchone()
+        if row is None:
+            return None
+        job_id, *output, now = row
+        return ResultSource(job_id=job_id, output=dict(zip(RESULT_COLUMNS, output, strict=True)), now=now)
+
+    async def record_transition(self, conn: AsyncConnection[TupleRow], row: dict[str, Any]) -> None:
+        """One ``job_transitions`` row (shared/states.py ``transition_values``)."""
+        await conn.execute(_INSERT_TRANSITION, row)
 
     async def live_key(
         self, conn: AsyncConnection[TupleRow], *, tenant_id: uuid.UUID, key: str

@@ -17,13 +17,22 @@ from sqlalchemy import func, select, text, update
 
 from benchmarks.db_data import RUNNING, capture_sql, explain, fill, plan_line, plan_nodes
 from services.api.jobs_service import create_job, decode_cursor, encode_cursor
-from services.api.store import list_query
+from services.api.store import list_query, result_source_query
 from services.sweeper.sweeper import _expire_keys, _promote_due, _webhooks_due
 from shared.config import Settings
 from shared.db import get_engine, session_factory, session_scope
 from shared.models import Job
 from shared.schemas import JobCreate
-from shared.states import JobStatus, claim, expired_leases, fail, request_cancel, succeed, unsent_or_lost
+from shared.states import (
+    JobStatus,
+    claim,
+    expired_leases,
+    fail,
+    has_status,
+    request_cancel,
+    succeed,
+    unsent_or_lost,
+)
 from shared.tenants import get_or_create_tenant
 from tests.integration.helpers import TINY, sweeper
 
@@ -54,6 +63,17 @@ _MAKE_DUE = [
 ]
 
 
+# Every job has a result key, as every job the API creates since migration 0004 (the fill predates the column);
+# one request of the largest tenant was served HOT_REPEATS times (a hot key: its lookup must still read one entry).
+HOT_KEY = "f" * 64
+HOT_REPEATS = 1000
+_RESULT_KEYS = [
+    "UPDATE jobs SET result_key = encode(sha256(id::text::bytea), 'hex')",
+    "UPDATE jobs SET result_key = %(hot)s WHERE id IN "
+    "(SELECT id FROM jobs WHERE tenant_id = %(tenant)s AND status = 'succeeded' LIMIT %(n)s)",
+]
+
+
 def _truncate(settings: Settings) -> None:
     with get_engine(settings).begin() as conn:
         conn.execute(text(_TRUNCATE))
@@ -67,6 +87,12 @@ def tenants(settings: Settings) -> Iterator[list[uuid.UUID]]:
     with psycopg.connect(settings.sqlalchemy_url.replace("+psycopg", "")) as conn:
         conn.execute("SET synchronous_commit = off")
         ids = fill(conn, jobs=JOBS, chunk=100_000, say=lambda _: None)
+        for sql in _RESULT_KEYS:
+            conn.execute(sql, {"hot": HOT_KEY, "tenant": ids[0], "n": HOT_REPEATS})
+        conn.commit()
+        conn.autocommit = True  # VACUUM runs outside a transaction: the table as fill() leaves it, keys included
+        conn.execute("VACUUM (ANALYZE) jobs")
+        conn.autocommit = False
         for sql in _MAKE_DUE:
             conn.execute(sql, {"n": DUE})
         conn.commit()
@@ -132,6 +158,22 @@ def test_a_list_page_reads_one_page_of_its_index_at_any_depth(settings, tenants,
     (index,) = {n["Index Name"] for n in plan_nodes(plan) if "Index Name" in n} & indexes
     assert PAGE + 1 <= _read(plan, index) <= most, plan_line(plan)
     assert not [n for n in plan_nodes(plan) if n["Node Type"] == "Sort"], plan_line(plan)  # read in ORDER BY's order
+
+
+def test_the_result_cache_lookup_reads_one_entry_of_its_index(settings, tenants):
+    """The submit's lookup: this tenant's newest succeeded job with this key, one entry of ix_jobs_result_cache read
+    (in the index's own order, no sort), for a key served a thousand times, a key of one job, and no match."""
+    with session_scope(settings) as session:
+        one = session.execute(
+            select(Job.tenant_id, Job.result_key).where(has_status(JobStatus.SUCCEEDED)).limit(1)
+        ).one()
+    cases = [(tenants[0], HOT_KEY, 1), (one.tenant_id, one.result_key, 1), (tenants[1], HOT_KEY, 0)]
+    for tenant_id, key, found in cases:
+        sql, params = result_source_query(tenant_id=tenant_id, result_key=key)
+        with get_engine(settings).connect() as conn:
+            plan = explain(conn, sql, params)
+        assert _read(plan, "ix_jobs_result_cache") == found, plan_line(plan)
+        assert not [n for n in plan_nodes(plan) if n["Node Type"] == "Sort"], plan_line(plan)
 
 
 def test_sweeper_queries_read_what_is_due_not_the_table(settings, tenants):

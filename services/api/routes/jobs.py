@@ -10,9 +10,9 @@ from fastapi import APIRouter, Header, Query, Request, Response
 
 from services.api import jobs_service
 from services.api.deps import SessionDep, SettingsDep, TenantDep
-from services.api.metrics import SUBMITS
+from services.api.metrics import RESULT_CACHE_HITS, SUBMITS
 from services.api.store import JobStore
-from shared.dispatch import after_transition_commit, send_job_committed
+from shared.dispatch import after_transition_commit, send_committed
 from shared.presenters import present_job
 from shared.schemas import ERROR_RESPONSES, JobCreate, JobOut, JobPage
 from shared.states import JobStatus, request_cancel
@@ -34,8 +34,12 @@ async def submit_job(
         store, settings, tenant=tenant, body=body, idempotency_key=idempotency_key
     )  # committed: the row and its idempotency key
     if created:
-        send_job_committed(request.app.state.celery, job)  # the message follows the commit
+        # The message follows the commit: the video queue for a queued job; for one served from the result cache
+        # (created succeeded) no render, only its webhook when it has a URL.
+        send_committed(request.app.state.celery, job)
         SUBMITS.labels(priority_class=job.priority_class).inc()
+        if job.result_of is not None:
+            RESULT_CACHE_HITS.inc()
     else:
         response.headers["Idempotent-Replayed"] = "true"
     response.headers["Location"] = f"/v1/jobs/{job.id}"

@@ -529,7 +529,7 @@ def test_runtime_stages_run_vidq_as_non_root_with_a_healthcheck() -> None:
 
 
 def test_liveness_probe_commands_exist() -> None:
-    assert {"worker-alive", "sweep-alive"} <= cli_commands()
+    assert {"worker-alive", "sweep-alive", "prewarmer", "prewarmer-alive"} <= cli_commands()
 
 
 def test_exactly_one_sweeper_runs_and_no_api_sweeps_in_process() -> None:
@@ -546,6 +546,30 @@ def test_exactly_one_sweeper_runs_and_no_api_sweeps_in_process() -> None:
     for name, service in vidq_services().items():
         if as_list(service.get("command"))[:1] == ["api"]:
             assert settings_from_env(effective_env(service)).sweeper_in_api is False, f"{name} runs the sweeper too"
+
+
+def test_exactly_one_prewarmer_runs_on_the_cpu_torch_image_in_every_profile() -> None:
+    """One service runs `vidq prewarmer`: on the worker image built for the CPU (it needs torch, and a plain
+    `docker compose up` must work without a GPU), in no profile, on the CPU, probed by `vidq prewarmer-alive`, its
+    metrics port exposed, started like the sweeper."""
+    prewarmers = {n: s for n, s in vidq_services().items() if as_list(s.get("command"))[:1] == ["prewarmer"]}
+    assert list(prewarmers) == ["prewarmer"], prewarmers
+    prewarmer = prewarmers["prewarmer"]
+    assert as_list(prewarmer["command"]) == ["prewarmer"]
+    found = image_stage(prewarmer)
+    assert found is not None and found[0].path.name == "worker.Dockerfile" and found[1] == "worker-cpu"
+    assert "profiles" not in prewarmer and "deploy" not in prewarmer, "no profile and no GPU reservation"
+    assert prewarmer.get("restart") == services()["sweeper"].get("restart") == "unless-stopped"
+    assert as_list(prewarmer["healthcheck"]["test"]) == ["CMD", "vidq", "prewarmer-alive"]
+    assert depends_on(prewarmer) == depends_on(services()["sweeper"]), "Postgres, Redis and the schema"
+    settings = settings_from_env(effective_env(prewarmer))
+    assert settings.prewarmer_device == "cpu"
+    assert settings.prewarmer_metrics_port and str(settings.prewarmer_metrics_port) in map(str, prewarmer["expose"])
+    # Settings the encoder is loaded with: an unset dtype follows the image's VIDQ_DEVICE (cpu: float32, the CPU
+    # worker's dtype), never a CUDA device that a CPU-only host does not have.
+    assert settings.device in {"cpu", None} or settings.prewarmer_dtype is not None
+    # The same models as the workers.
+    assert {"models:/models"} <= set(prewarmer.get("volumes", []))
 
 
 # ---- the build context ------------------------------------------------------------------------------------------

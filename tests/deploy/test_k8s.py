@@ -11,6 +11,7 @@ import copy
 import hashlib
 import ipaddress
 import json
+import shlex
 import shutil
 import subprocess
 import sys
@@ -273,7 +274,7 @@ def test_every_command_is_a_real_vidq_command(target: str) -> None:
             if exec_ := c.get(probe, {}).get("exec"):
                 assert exec_["command"][0] == "vidq", f"{where} {probe}"
                 assert not cli_args_problems(exec_["command"][1:]), f"{where} {probe}"
-    assert {"api", "worker", "flower", "migrate", "sweep"} <= seen
+    assert {"api", "worker", "flower", "migrate", "sweep", "prewarmer"} <= seen
 
 
 def test_worker_roles_and_queues_are_real(target: str) -> None:
@@ -369,6 +370,79 @@ def test_exactly_one_sweeper_runs_and_no_api_pod_sweeps(target: str) -> None:
             assert pod_setting(target, c, "VIDQ_SWEEPER_IN_API") is False, "the API must not run the sweeper too"
 
 
+IMAGE_STAGES = {"vidq-worker": "worker", "vidq-worker-cpu": "worker-cpu"}  # docker/worker.Dockerfile's targets
+
+
+def image_env(image: str) -> dict[str, str]:
+    """The ENV a torch image bakes in (VIDQ_DEVICE …): what a pod sees for a name nothing else sets."""
+    stage = parse_dockerfile(REPO_ROOT / "docker" / "worker.Dockerfile").stage(IMAGE_STAGES[image.rsplit(":", 1)[0]])
+    assert stage is not None
+    env: dict[str, str] = {}
+    for instruction in stage.all("ENV"):
+        for word in shlex.split(instruction.value):
+            name, _, value = word.partition("=")
+            env[name] = value
+    return env
+
+
+def container_settings(target: str, container: Obj) -> Any:
+    """The Settings a container builds: image ENV < the ConfigMap (envFrom) < the container's own env."""
+    env = {k: v for k, v in image_env(container["image"]).items() if k.startswith("VIDQ_")}
+    env |= configmap(target)
+    env |= {e["name"]: e["value"] for e in container.get("env", []) if "value" in e and e["name"].startswith("VIDQ_")}
+    env.setdefault("VIDQ_S3_SECRET_KEY", "not-a-placeholder")  # from the Secret
+    return settings_from_env(env)
+
+
+def compute_dtype(device: str | None, cuda_dtype: str, *, gpu: bool) -> str:
+    """shared/render/precision.resolve_device on a node with a GPU that supports bfloat16, or without a GPU."""
+    if device is None:
+        device = "cuda" if gpu else "cpu"
+    assert gpu or not device.startswith("cuda"), f"VIDQ_DEVICE={device} fails without a GPU"
+    return cuda_dtype if device.startswith("cuda") else "float32"
+
+
+def test_exactly_one_prewarmer_runs_on_the_cpu_in_the_workers_dtype(target: str) -> None:
+    """One Deployment runs `vidq prewarmer` on the worker's torch image, probed by `vidq prewarmer-alive` (its
+    liveness file on a writable volume), scraped on VIDQ_PREWARMER_METRICS_PORT. It asks for no GPU and encodes on
+    the CPU, in the dtype the video workers compute in (else they could not use its embeddings)."""
+    prewarmers = [where for where, _, c in containers(target) if argv(c)[1] == "prewarmer"]
+    assert prewarmers == ["Deployment/vidq-prewarmer/prewarmer"], prewarmers
+    deployment = named(target, "Deployment", "vidq-prewarmer")
+    assert deployment["spec"]["replicas"] >= 1
+    template = deployment["spec"]["template"]
+    container = template["spec"]["containers"][0]
+    assert argv(container) == ["vidq", "prewarmer"]
+    worker = worker_container(target)
+    assert container["image"] == worker["image"], "the same torch image as the video worker"
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["exec"]["command"] == ["vidq", "prewarmer-alive"], probe
+    settings = container_settings(target, container)
+    alive = Path(settings.prewarmer_liveness_file)
+    mounts = [Path(m["mountPath"]) for m in container["volumeMounts"] if not m.get("readOnly")]
+    assert any(alive.is_relative_to(m) for m in mounts), f"{alive} is not on a writable volume"
+    # A cycle may encode for minutes on a CPU: the probe must allow several default intervals and then some.
+    assert settings.prewarmer_liveness_max_age_s >= 10 * settings.prewarmer_interval_s
+    port = settings.prewarmer_metrics_port
+    assert port and {p["containerPort"] for p in container["ports"]} == {port}
+    assert template["metadata"]["annotations"]["prometheus.io/port"] == str(port)
+    assert template["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+    # The same models as the workers.
+    worker_mounts = {m["name"]: m["mountPath"] for m in worker["volumeMounts"]}
+    assert {m["name"]: m["mountPath"] for m in container["volumeMounts"]}["models"] == worker_mounts["models"]
+    # On the CPU, whatever node it lands on.
+    assert "nvidia.com/gpu" not in json.dumps(container["resources"])
+    assert settings.prewarmer_device == "cpu"
+    if target == "base":
+        return  # not deployable on its own: the overlays say which device the workers compute on
+    # Unset, its dtype is what a worker configured like it would use on its (GPU-less) node.
+    workers = container_settings(target, worker)
+    gpu_workers = "nvidia.com/gpu" in json.dumps(worker["resources"])
+    encodes_in = settings.prewarmer_dtype or compute_dtype(settings.device, settings.cuda_dtype, gpu=False)
+    expected = compute_dtype(workers.device, workers.cuda_dtype, gpu=gpu_workers)
+    assert encodes_in == expected, "workers could not use its embeddings"
+
+
 def test_worker_metrics_are_scraped_on_the_configured_port(target: str) -> None:
     port = setting(target, "VIDQ_WORKER_METRICS_PORT")
     for name in ("vidq-worker", "vidq-webhooks"):
@@ -423,11 +497,11 @@ def test_cpu_dev_overlay_is_small_and_gpu_free() -> None:
     assert setting("overlays/cpu-dev", "VIDQ_DEVICE") == "cpu"
 
 
-def test_only_the_video_worker_runs_the_torch_image(target: str) -> None:
+def test_only_the_video_worker_and_the_prewarmer_run_the_torch_image(target: str) -> None:
     for where, _, c in containers(target):
         words = argv(c)
         video = words[1] == "worker" and words[words.index("--role") + 1] != "webhooks"
-        expected = {"vidq-worker", "vidq-worker-cpu"} if video else {"vidq-api"}
+        expected = {"vidq-worker", "vidq-worker-cpu"} if video or words[1] == "prewarmer" else {"vidq-api"}
         assert c["image"].rsplit(":", 1)[0] in expected, f"{where}: {c['image']}"
 
 
@@ -520,7 +594,7 @@ def test_network_policies(target: str) -> None:
     deny = [s for s in policies.values() if s["podSelector"] == {} and not s.get("ingress") and not s.get("egress")]
     assert deny and set(deny[0]["policyTypes"]) == {"Ingress", "Egress"}, "default deny for all pods"
     components = {t["metadata"]["labels"]["app.kubernetes.io/component"] for _, t in pod_specs(target)}
-    assert components == {"api", "worker", "webhooks", "sweeper", "flower", "migrate"}
+    assert components == {"api", "worker", "webhooks", "sweeper", "prewarmer", "flower", "migrate"}
     for component in components:
         rules = egress_rules(target, component)
         ports = {p["port"] for r in rules for p in r.get("ports", [])}
@@ -539,6 +613,15 @@ def test_network_policies(target: str) -> None:
     sweeper_ports = {p["port"] for r in egress_rules(target, "sweeper") for p in r.get("ports", [])}
     assert sweeper_ports == {53, 5432, 6379}
     assert not [r for s in policies.values() if selects(s["podSelector"], "sweeper") for r in s.get("ingress", [])]
+    # The prewarmer likewise (its cache tiers are Redis too); only Prometheus reaches it, on its metrics port.
+    prewarmer_ports = {p["port"] for r in egress_rules(target, "prewarmer") for p in r.get("ports", [])}
+    assert prewarmer_ports == {53, 5432, 6379}
+    prewarmer_in = [
+        r for s in policies.values() if selects(s["podSelector"], "prewarmer") for r in s.get("ingress", [])
+    ]
+    metrics_port = setting(target, "VIDQ_PREWARMER_METRICS_PORT")
+    assert prewarmer_in and all({p["port"] for p in r["ports"]} == {metrics_port} for r in prewarmer_in)
+    assert all(r.get("from") and all("namespaceSelector" in peer for peer in r["from"]) for r in prewarmer_in)
     api_in = [r for s in policies.values() if selects(s["podSelector"], "api") for r in s.get("ingress", [])]
     assert any(8000 in {p["port"] for p in r["ports"]} and not r.get("from") for r in api_in)
     flower_in = [r for s in policies.values() if selects(s["podSelector"], "flower") for r in s.get("ingress", [])]

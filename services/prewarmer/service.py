@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import redis
@@ -69,7 +69,10 @@ class CycleReport:
     candidates: int = 0
     promoted: int = 0
     encoded: int = 0
-    skipped_models: set[str] = field(default_factory=set)
+    skipped_models: set[str] = field(default_factory=set)  # queued jobs' models this prewarmer has not loaded
+
+    def as_dict(self) -> dict[str, object]:
+        return {**asdict(self), "skipped_models": sorted(self.skipped_models)}
 
 
 def load_encoders(settings: Settings) -> dict[tuple[str, str], TextEncoder]:
@@ -316,9 +319,7 @@ class Prewarmer:
             try:
                 report = self.cycle()
                 if report.encoded or report.promoted or report.skipped_models:
-                    log.info(
-                        "prewarm cycle", extra={**report.__dict__, "skipped_models": sorted(report.skipped_models)}
-                    )
+                    log.info("prewarm cycle", extra=report.as_dict())
             except (redis.RedisError, OSError) as exc:
                 log.warning("prewarm cycle failed; retrying next cycle", extra={"error": repr(exc)[:300]})
             except Exception:

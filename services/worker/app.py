@@ -86,7 +86,7 @@ def _load_models() -> None:
             time.sleep(settings.worker_model_load_delay_s)
         for model in settings.worker_preload_models:
             pipeline_for(model, settings)
-            log.info("pipeline loaded", extra={"model": model})
+            log.info("pipeline loaded", extra={"model": model, "text_encoder": settings.worker_text_encoder})
     except Exception:
         log.exception("pipeline load failed")
         _models_failed.set()

@@ -66,7 +66,9 @@ def build_tiny_wan_text_encoder(*, device: torch.device, dtype: torch.dtype) -> 
         torch.manual_seed(0)
         encoder = UMT5EncoderModel(tiny_wan_text_config(len(build_tokenizer())))
     cast_like_from_pretrained(encoder, dtype, keep_fp32=text_encoder_fp32_modules(encoder, dtype))
-    return encoder.to(device).eval()
+    encoder.to(device)  # type: ignore[arg-type]  # transformers types .to() for its own arguments only
+    encoder.eval()
+    return encoder
 
 
 def build_wan21_text_encoder(*, device: torch.device, dtype: torch.dtype) -> UMT5EncoderModel:
@@ -76,7 +78,8 @@ def build_wan21_text_encoder(*, device: torch.device, dtype: torch.dtype) -> UMT
         torch.manual_seed(0)
         encoder = UMT5EncoderModel(wan21_text_config())
     cast_like_from_pretrained(encoder, dtype, keep_fp32=text_encoder_fp32_modules(encoder, dtype))
-    return encoder.eval()
+    encoder.eval()
+    return encoder
 
 
 def build_tiny_wan(*, device: torch.device, dtype: torch.dtype, text_encoder: bool = True) -> WanPipeline:

@@ -68,9 +68,7 @@ class PipelineKey:
         return dtype_from_name(self.precision)
 
 
-def pipeline_key(
-    model: str, *, device_pref: str | None, cuda_dtype: str, text_encoder: bool = True
-) -> PipelineKey:
+def pipeline_key(model: str, *, device_pref: str | None, cuda_dtype: str, text_encoder: bool = True) -> PipelineKey:
     """The key ``model`` runs under on this machine: ``settings.device`` and ``settings.cuda_dtype`` resolved."""
     device, dtype = resolve_device(device_pref, cuda_dtype=cuda_dtype)
     return PipelineKey(model=model, precision=dtype_name(dtype), device=str(device), text_encoder=text_encoder)

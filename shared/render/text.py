@@ -168,7 +168,8 @@ def build_text_encoder(
         tokenizer = AutoTokenizer.from_pretrained(source, subfolder="tokenizer", local_files_only=local)
         encoder = UMT5EncoderModel.from_pretrained(
             source, subfolder="text_encoder", dtype=dtype, local_files_only=local
-        ).to(device)
+        )
+        encoder.to(device)  # type: ignore[arg-type]  # transformers types .to() for its own arguments only
     encoder.eval()
     return TextEncoder(tokenizer, encoder, identity=identity)
 

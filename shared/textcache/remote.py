@@ -13,7 +13,7 @@ import base64
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import redis
 import torch
@@ -41,7 +41,7 @@ class EncodeRequest:
     deadline: float  # unix seconds
 
     def to_json(self) -> str:
-        return json.dumps(self.__dict__, ensure_ascii=False)
+        return json.dumps(asdict(self), ensure_ascii=False)
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> EncodeRequest:

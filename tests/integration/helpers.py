@@ -6,6 +6,8 @@ from __future__ import annotations
 import socket
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -15,6 +17,7 @@ from shared.celery_app import make_celery
 from shared.config import Settings
 from shared.db import session_factory, session_scope
 from shared.models import Job, JobTransition
+from tools.processes import ProcessGroup
 
 TINY: dict[str, Any] = {
     "prompt": "a small red boat on a calm lake",
@@ -77,3 +80,18 @@ def transitions(settings: Settings, job_id: str) -> list[tuple[str | None, str, 
     with session_scope(settings) as session:
         rows = session.query(JobTransition).filter_by(job_id=uuid.UUID(job_id)).order_by(JobTransition.id)
         return [(r.from_status, r.to_status, r.attempt) for r in rows]
+
+
+@contextmanager
+def process_env(procs: ProcessGroup, **values: str) -> Iterator[dict[str, str]]:
+    """Settings for the processes started inside; the env a probe of them needs is yielded."""
+    saved = {key: procs.env.get(key) for key in values}
+    procs.env.update(values)
+    try:
+        yield {**procs.env}
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                procs.env.pop(key, None)
+            else:
+                procs.env[key] = old

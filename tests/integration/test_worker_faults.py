@@ -8,30 +8,13 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import psutil
 import pytest
 
-from tests.integration.helpers import SLOW, submit, transitions, wait_job
-from tools.processes import ProcessGroup, vidq_argv, wait_for_log, wait_until
-
-
-@contextmanager
-def worker_env(procs: ProcessGroup, **values: str) -> Iterator[dict[str, str]]:
-    """Settings for the workers started inside; the env a probe of them needs is yielded."""
-    saved = {key: procs.env.get(key) for key in values}
-    procs.env.update(values)
-    try:
-        yield {**procs.env}
-    finally:
-        for key, old in saved.items():
-            if old is None:
-                procs.env.pop(key, None)
-            else:
-                procs.env[key] = old
+from tests.integration.helpers import SLOW, process_env, submit, transitions, wait_job
+from tools.processes import vidq_argv, wait_for_log, wait_until
 
 
 def probe(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -45,7 +28,7 @@ def pool_child(main_pid: int) -> psutil.Process:
 
 def test_a_crashed_pool_process_is_replaced_although_its_model_loads_slowly(client, start_worker, procs, tmp_path):
     # 10 s: more than Celery's 4 s worker_proc_alive_timeout, which used to kill every replacement.
-    with worker_env(
+    with process_env(
         procs, VIDQ_WORKER_MODEL_LOAD_DELAY_S="10", VIDQ_WORKER_LIVENESS_FILE=str(tmp_path / "alive")
     ) as env:
         name = start_worker("video")
@@ -80,7 +63,7 @@ def test_a_crashed_pool_process_is_replaced_although_its_model_loads_slowly(clie
     ids=["never-loads", "load-fails"],
 )
 def test_liveness_fails_when_no_pool_process_can_take_a_job(start_worker, procs, tmp_path, knobs, reason):
-    with worker_env(procs, VIDQ_WORKER_LIVENESS_FILE=str(tmp_path / "alive"), **knobs) as env:
+    with process_env(procs, VIDQ_WORKER_LIVENESS_FILE=str(tmp_path / "alive"), **knobs) as env:
         name = start_worker("video", wait=False)
 
     wait_for_log(procs, name, "ready.", timeout_s=120)  # the consumer loop runs: its liveness file alone says alive
@@ -122,7 +105,7 @@ def test_sigterm_mid_job_finishes_it_at_attempt_1_then_exits_0(client, start_wor
 
 @pytest.mark.parametrize("how", ["second-sigterm", "grace-over"])
 def test_a_second_sigterm_or_the_end_of_the_grace_period_stops_at_once(client, start_worker, procs, how):
-    with worker_env(procs, VIDQ_WORKER_SHUTDOWN_GRACE_S="2" if how == "grace-over" else "600"):
+    with process_env(procs, VIDQ_WORKER_SHUTDOWN_GRACE_S="2" if how == "grace-over" else "600"):
         # Far longer than the 2 s grace even on a fast machine: the render must still be running when it ends.
         long_job = {**SLOW, "width": 256, "height": 256, "steps": 100}
         name, job, child = sigterm_mid_job(client, start_worker, procs, group=True, body=long_job)

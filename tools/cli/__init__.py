@@ -232,10 +232,13 @@ def prewarmer(once: Annotated[bool, typer.Option("--once/--forever")] = False) -
     service = Prewarmer(settings, encoders=load_encoders(settings))
     if once:
         report = service.cycle()
-        typer.echo(json.dumps({**report.__dict__, "skipped_models": sorted(report.skipped_models)}))
+        typer.echo(json.dumps(report.as_dict()))
         return
     if settings.prewarmer_metrics_port:
-        start_http_server(settings.prewarmer_metrics_port)
+        try:
+            start_http_server(settings.prewarmer_metrics_port)
+        except OSError as exc:  # a second prewarmer on this host: keep working, say why there are no metrics
+            typer.echo(f"metrics port {settings.prewarmer_metrics_port} unavailable: {exc}", err=True)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

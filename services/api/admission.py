@@ -4,7 +4,8 @@ At most ``limit`` requests are handled at once per process; the next ones wait u
 slot and then get a fast 503 with ``Retry-After`` in the error envelope. The limit is sized with the database pool
 (a request in progress holds at most one connection), so no request ever waits for a connection while holding a
 slot, and a burst cannot wedge the process: when it ends, the queue drains within ``queue_timeout_s``.
-Health checks, metrics and progress streams (long-lived, they hold no connection) are not counted.
+Health checks, metrics, progress streams (long-lived, they hold no connection) and the operator endpoints (no
+database; wanted most while the API is shedding load) are not counted.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from services.api.metrics import ERRORS, INFLIGHT, SHED
 from shared.config import Settings
 
-_EXEMPT_PREFIXES = ("/healthz", "/readyz", "/metrics")
+_EXEMPT_PREFIXES = ("/healthz", "/readyz", "/metrics", "/v1/admin/")
 
 
 class AdmissionLimit:

@@ -63,3 +63,9 @@ def test_slots_come_back_after_a_burst() -> None:
             return [(await http.get("/v1/jobs")).status_code for _ in range(20)]
 
     assert asyncio.run(run()) == [200] * 20
+
+
+def test_operator_endpoints_are_never_shed() -> None:
+    """They hold no database connection (the limit is sized with the pool) and are wanted most under load."""
+    statuses, _, _ = asyncio.run(_burst(10, path="/v1/admin/cache/stats"))
+    assert statuses == Counter({200: 10})

@@ -20,6 +20,7 @@ It loads only text encoders (``build_text_encoder``): on a GPU if it has one, el
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -75,22 +76,30 @@ class CycleReport:
         return {**asdict(self), "skipped_models": sorted(self.skipped_models)}
 
 
+def workers_dtype(settings: Settings) -> torch.dtype:
+    """The dtype a worker configured like this process computes in (VIDQ_DEVICE, VIDQ_CUDA_DTYPE), decided without
+    needing that device here: a prewarmer on a CPU node of a GPU cluster still encodes for the GPU workers."""
+    if settings.prewarmer_dtype is not None:
+        return dtype_from_name(settings.prewarmer_dtype)
+    wanted = settings.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if torch.device(wanted).type != "cuda":
+        return torch.float32
+    if torch.cuda.is_available():
+        return resolve_device(wanted, cuda_dtype=settings.cuda_dtype)[1]  # fp16 where bf16 is missing
+    return dtype_from_name(settings.cuda_dtype)
+
+
 def load_encoders(settings: Settings) -> dict[tuple[str, str], TextEncoder]:
     """The text encoders of ``prewarmer_models`` (default: the default model), keyed by (model, dtype)."""
-    device, local_dtype = resolve_device(settings.prewarmer_device, cuda_dtype=settings.cuda_dtype)
-    if settings.prewarmer_dtype is None:
-        # What a worker configured like this process would compute in.
-        _, dtype = resolve_device(settings.device, cuda_dtype=settings.cuda_dtype)
-    else:
-        dtype = dtype_from_name(settings.prewarmer_dtype)
-    if device.type == "cpu" and dtype == torch.float16:
-        log.warning("float16 text encoding on the CPU is slow; consider bfloat16 workers or a GPU prewarmer")
+    device, _ = resolve_device(settings.prewarmer_device, cuda_dtype=settings.cuda_dtype)
+    dtype = workers_dtype(settings)
+    if device.type == "cpu" and dtype != torch.float32:
+        log.info("encoding on the CPU in %s: seconds per prompt for a large encoder", dtype_name(dtype))
     encoders = {}
     for model in settings.prewarmer_models or [settings.default_model]:
         encoder = build_text_encoder(model, device=device, dtype=dtype, model_dir=settings.model_dir)
         encoders[(model, dtype_name(dtype))] = encoder
         log.info("text encoder loaded", extra={"model": model, "device": str(device), "dtype": dtype_name(dtype)})
-    del local_dtype
     return encoders
 
 
@@ -104,6 +113,7 @@ class Prewarmer:
         control: redis.Redis | None = None,
         queued: Callable[[int], Sequence[QueuedPrompts]] | None = None,
         clock: Callable[[], float] = time.time,
+        between_batches: Callable[[], bool] | None = None,
     ) -> None:
         self.settings = settings
         self.encoders = encoders
@@ -114,6 +124,8 @@ class Prewarmer:
         self.prefix = settings.broker_key_prefix
         self.queued = queued or self._queued_from_broker
         self.clock = clock
+        # Called between batches (run_forever touches the liveness file there); False stops the cycle early.
+        self.between_batches = between_batches or (lambda: True)
         self.monitor = HitRateMonitor(
             threshold=settings.cache_hit_rate_threshold,
             low_windows=settings.cache_low_windows,
@@ -241,6 +253,8 @@ class Prewarmer:
             chunk = pending[start : start + batch]
             self._prewarm_chunk(chunk, report)
             report.requests += self.serve_requests()  # workers never wait behind a whole cycle
+            if not self.between_batches():
+                return  # stopping: the rest waits for the next start
 
     def _prewarm_chunk(self, chunk: list[Candidate], report: CycleReport) -> None:
         l2, l3 = self.cache.l2, self.cache.l3
@@ -315,6 +329,15 @@ class Prewarmer:
         from shared.liveness import touch
 
         alive = Path(self.settings.prewarmer_liveness_file)
+
+        def between_batches() -> bool:
+            # A long cycle (a deep backlog of new prompts, a large encoder on a CPU) still shows it is alive, and a
+            # SIGTERM stops it after the batch in hand.
+            with contextlib.suppress(OSError):
+                touch(alive)
+            return not stop.is_set()
+
+        self.between_batches = between_batches
         while not stop.is_set():
             try:
                 report = self.cycle()

@@ -98,6 +98,7 @@ def generate(
     steps: Annotated[int, typer.Option()] = 8,
     seed: Annotated[int | None, typer.Option()] = None,
     model: Annotated[str | None, typer.Option()] = None,
+    cache: Annotated[bool, typer.Option(help="--no-cache renders even when an identical job already succeeded")] = True,
     out: Annotated[Path, typer.Option(help="folder for the MP4")] = Path("out"),
 ) -> None:
     """Submit a prompt, show progress, save the MP4, print the job JSON."""
@@ -115,6 +116,8 @@ def generate(
         body["seed"] = seed
     if model:
         body["model"] = model
+    if not cache:
+        body["cache"] = False
     job, path = submit_and_wait(api=api, key=key, body=body, out_dir=out)
     typer.echo(json.dumps(job, indent=2))
     if path is None:

@@ -70,11 +70,15 @@ def stack_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, st
     )
     database_url = urls.database_url.rsplit("/", 1)[0] + f"/{db_name}"
     ensure_database(database_url)
+    # The embedding cache's L2 and L3 in two other databases of the same server (as two Redis servers would be).
+    l2_url, l3_url = _other_db(urls.broker_url, 1), _other_db(urls.broker_url, 2)
     env = {
         **stack.env(),
         "VIDQ_DATABASE_URL": database_url,
         "VIDQ_S3_BUCKET": "vidq-test",
         "VIDQ_BROKER_KEY_PREFIX": key_prefix,
+        "VIDQ_CACHE_L2_URL": l2_url,
+        "VIDQ_CACHE_L3_URL": l3_url,
         "VIDQ_WEBHOOK_ALLOW_PRIVATE": "true",
         # Short leases so a killed worker is noticed within seconds.
         "VIDQ_LEASE_S": "3",
@@ -101,8 +105,15 @@ def stack_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, st
     dispose_engines()
     _drop_database(pg, db_name)
     with contextlib.suppress(redis.RedisError):  # a broker that is gone already has nothing of ours left
-        _delete_broker_keys(urls.broker_url, key_prefix)
+        for url in (urls.broker_url, l2_url, l3_url):
+            _delete_broker_keys(url, key_prefix)
     stack.stop()
+
+
+def _other_db(redis_url: str, offset: int) -> str:
+    """``redis://host:port/N`` → the same server's database N + offset (mod 16)."""
+    base, _, db = redis_url.rpartition("/")
+    return f"{base}/{(int(db or 0) + offset) % 16}"
 
 
 def _drop_database(maintenance_url: str, name: str) -> None:
@@ -154,7 +165,8 @@ def clean_state(settings) -> Iterator[None]:  # type: ignore[no-untyped-def]
         conn.execute(
             text("TRUNCATE jobs, job_transitions, idempotency_keys, webhook_deliveries, api_keys, tenants CASCADE")
         )
-    _delete_broker_keys(str(settings.broker_url), settings.broker_key_prefix)
+    for url in (str(settings.broker_url), settings.cache_l2_url, settings.cache_l3_url):
+        _delete_broker_keys(url, settings.broker_key_prefix)
     yield
 
 

@@ -111,7 +111,7 @@ class Prewarmer:
         encoders: dict[tuple[str, str], TextEncoder],
         cache: EmbeddingCache | None = None,
         control: redis.Redis | None = None,
-        queued: Callable[[int], Sequence[QueuedPrompts]] | None = None,
+        queued: Callable[[int], Sequence[QueuedPrompts]] | None = None,  # given up to this many per queue
         clock: Callable[[], float] = time.time,
         between_batches: Callable[[], bool] | None = None,
     ) -> None:
@@ -211,21 +211,22 @@ class Prewarmer:
     def _batch(self) -> int:
         return self.settings.prewarmer_concurrency * (2 if self.compensating else 1)
 
-    def _queued_from_broker(self, limit: int) -> Sequence[QueuedPrompts]:
-        ids = peek_job_ids(
-            self.control,
-            prefix=self.prefix,
-            queues=[q.value for q in Queue.video()],
-            limit=limit,
-            order="newest",
-        )
+    def _queued_from_broker(self, per_queue: int) -> Sequence[QueuedPrompts]:
+        """Up to ``per_queue`` jobs of each video queue, queue by queue in the workers' order, newest first."""
+        ids = [
+            job_id
+            for queue in Queue.video()
+            for job_id in peek_job_ids(
+                self.control, prefix=self.prefix, queues=[queue.value], limit=per_queue, order="newest"
+            )
+        ]
         return queued_prompts(self.settings, ids)
 
     def candidates(self, report: CycleReport) -> list[Candidate]:
         s = self.settings
         scale = 2 if self.compensating else 1
         queued: list[Candidate] = []
-        for job in self.queued(s.prewarmer_scan_jobs * len(Queue.video())):
+        for job in self.queued(s.prewarmer_scan_jobs):
             encoder = self.by_model.get(job.model)
             if encoder is None:
                 report.skipped_models.add(job.model)

@@ -54,9 +54,13 @@ def counts(cache: EmbeddingCache) -> dict[str, int]:
     return dict(cache.counter._pending)
 
 
+def tier_redis(settings: Settings, tier: str) -> redis.Redis:
+    """L2 and L3 are two databases of the test Redis (tests/conftest.py)."""
+    return redis.Redis.from_url(settings.cache_l2_url if tier == "l2" else settings.cache_l3_url)
+
+
 def raw(settings: Settings, tier: str, key: str) -> bytes | None:
-    client = redis.Redis.from_url(str(settings.broker_url))
-    value = client.get(f"{settings.broker_key_prefix}vidq:emb:{tier}:{key}")
+    value = tier_redis(settings, tier).get(f"{settings.broker_key_prefix}vidq:emb:{tier}:{key}")
     return value if isinstance(value, bytes) else None
 
 
@@ -67,7 +71,7 @@ def stored(settings: Settings, tier: str, key: str, encoder: TextEncoder) -> tor
 
 
 def ttl(settings: Settings, tier: str, key: str) -> int:
-    return int(redis.Redis.from_url(str(settings.broker_url)).ttl(f"{settings.broker_key_prefix}vidq:emb:{tier}:{key}"))
+    return int(tier_redis(settings, tier).ttl(f"{settings.broker_key_prefix}vidq:emb:{tier}:{key}"))
 
 
 def new_cache(settings: Settings, **changes: Any) -> EmbeddingCache:
@@ -107,7 +111,7 @@ def test_l2_hit_promotes_to_l1_and_l3_hit_promotes_to_l2_and_l1(settings, clean_
     assert counts(second) == {"l1:miss": 1, "l2:hit": 1}
     assert second.l1 is not None and key in second.l1
 
-    redis.Redis.from_url(str(settings.broker_url)).delete(f"{settings.broker_key_prefix}vidq:emb:l2:{key}")
+    tier_redis(settings, "l2").delete(f"{settings.broker_key_prefix}vidq:emb:l2:{key}")
     third = new_cache(settings)
     assert torch.equal(third.get(encoder.identity, [text], never)[0], expected)
     assert counts(third) == {"l1:miss": 1, "l2:miss": 1, "l3:hit": 1}
@@ -163,11 +167,10 @@ def test_corrupt_or_foreign_entries_are_ignored_deleted_and_re_encoded(settings,
         "other-key": pack(encoder.identity.key("another text"), good),
         "not-zstd": b"plain bytes in the compressed tier",
     }[damage]
-    client = redis.Redis.from_url(str(settings.broker_url))
     tier = "l3" if damage == "not-zstd" else "l2"
-    client.set(f"{settings.broker_key_prefix}vidq:emb:{tier}:{key}", bad)
+    tier_redis(settings, tier).set(f"{settings.broker_key_prefix}vidq:emb:{tier}:{key}", bad)
 
-    cache = new_cache(settings, cache_l2_url="off" if tier == "l3" else "")
+    cache = new_cache(settings, **({"cache_l2_url": "off"} if tier == "l3" else {}))  # L3 alone: no L2 in front
     encode = CountingEncoder(encoder)
     rows = cache.get(encoder.identity, [text], encode)
 

@@ -48,7 +48,7 @@ def key_of(text: str) -> str:
 
 
 def in_l2(settings: Settings, text: str) -> bool:
-    client = redis.Redis.from_url(str(settings.broker_url))
+    client = redis.Redis.from_url(settings.cache_l2_url)
     return bool(client.exists(f"{settings.broker_key_prefix}vidq:emb:l2:{key_of(text)}"))
 
 

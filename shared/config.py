@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import Field, PostgresDsn, RedisDsn, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+MonitoredTier = Literal["overall", "l1", "l2", "l3"]
 PLACEHOLDER_SECRETS = {"", "change-me", "dev", "minioadmin", "secret"}
 
 
@@ -166,7 +167,7 @@ class Settings(BaseSettings):
     cache_recover_windows: int = 1  # windows in a row at or above it (every tier) that end it
     cache_monitor_min_lookups: int = 20  # a window with fewer lookups at a tier says nothing about that tier
     # What the monitors judge: "overall" (served by any tier) and/or one level, "l1", "l2", "l3" (see monitor.py).
-    cache_monitored_tiers: list[Literal["overall", "l1", "l2", "l3"]] = Field(default_factory=lambda: ["overall"])
+    cache_monitored_tiers: list[MonitoredTier] = Field(default_factory=lambda: list[MonitoredTier](["overall"]))
     # Compensation: what workers write to L2 that is not core (the hottest cache_core_keys prompts) lives this long.
     cache_compensation_l2_ttl_s: int = 30
     cache_core_keys: int = 1000

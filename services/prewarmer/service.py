@@ -170,7 +170,13 @@ class Prewarmer:
             return
         identity = encoder.identity
         keys = [identity.key(t) for t in request.texts]
-        rows = encoder.encode(list(request.texts), batch_size=self._batch())
+        try:
+            rows = encoder.encode(list(request.texts), batch_size=self._batch())
+        except Exception as exc:  # out of memory, a broken encoder: the worker hears it now, not at its timeout
+            REQUESTS.labels("failed").inc()
+            log.exception("encode request failed", extra={"model": request.model})
+            reply(self.control, request, entries=None, error=f"encoding failed: {type(exc).__name__}: {exc}"[:500])
+            return
         ENCODED.labels("request").inc(len(rows))
         payloads = [pack(k, r) for k, r in zip(keys, rows, strict=True)]
         reply(self.control, request, entries=payloads)

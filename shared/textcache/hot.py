@@ -80,9 +80,12 @@ class HotPrompts:
         if self.client is None:
             return 0
         now = time.time() if now is None else now
-        last = self.client.set(self.decayed_at, repr(now), get=True)
-        if last is not None:
-            elapsed = max(0.0, now - float(_text(last)))
+        seen = self.client.get(self.decayed_at)
+        # Decay in steps of 1/32 half-life (~2% each), not every call: rescoring the whole set costs O(size).
+        if seen is None or now - float(_text(seen)) >= self.half_life_s / 32:
+            # GETSET: of two prewarmers that decay at once, the second sees ~0 s elapsed and decays ~nothing.
+            last = self.client.set(self.decayed_at, repr(now), get=True)
+            elapsed = max(0.0, now - float(_text(last))) if last is not None else 0.0
             if elapsed > 0:
                 self.client.zunionstore(self.scores, {self.scores: 2.0 ** (-elapsed / self.half_life_s)})
         extra = int(self.client.zcard(self.scores)) - self.max_entries

@@ -359,3 +359,19 @@ def test_hit_counts_reach_the_cluster_windows(settings, clean_state, encoder):
     )
     assert window.tier("l1").hits == 1 and window.tier("l1").misses == 1
     assert window.overall.rate == 0.5
+
+
+def test_a_failing_encoder_answers_the_worker_at_once_with_the_error(settings, clean_state, encoder):
+    class Broken(TextEncoder):
+        def encode(self, texts: list[str], *, batch_size: int = 1) -> list[torch.Tensor]:
+            raise RuntimeError("CUDA out of memory")
+
+    broken = Broken(encoder.tokenizer, encoder.encoder, identity=encoder.identity)
+    prewarmer = Prewarmer(settings, encoders={(TINY_WAN, "float32"): broken}, queued=lambda n: [])
+    thread = threading.Thread(target=prewarmer.serve_requests, kwargs={"wait_s": 5.0}, daemon=True)
+    thread.start()
+    started = time.monotonic()
+    with pytest.raises(EmbeddingsUnavailable, match="encoding failed: RuntimeError: CUDA out of memory"):
+        remote(settings, 30).encode(encoder.identity, ["a tree"])
+    assert time.monotonic() - started < 30  # the answer, not the timeout
+    thread.join(5)

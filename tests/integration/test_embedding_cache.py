@@ -370,8 +370,7 @@ def test_a_failing_encoder_answers_the_worker_at_once_with_the_error(settings, c
     prewarmer = Prewarmer(settings, encoders={(TINY_WAN, "float32"): broken}, queued=lambda n: [])
     thread = threading.Thread(target=prewarmer.serve_requests, kwargs={"wait_s": 5.0}, daemon=True)
     thread.start()
-    started = time.monotonic()
+    # The prewarmer's answer (only its reply carries "encoding failed"), not the worker's 30 s timeout.
     with pytest.raises(EmbeddingsUnavailable, match="encoding failed: RuntimeError: CUDA out of memory"):
         remote(settings, 30).encode(encoder.identity, ["a tree"])
-    assert time.monotonic() - started < 30  # the answer, not the timeout
     thread.join(5)

@@ -233,8 +233,57 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"gpu_embeddings_{args.model}_{dt.date.today():%Y%m%d}.json"
     path.write_text(json.dumps(report, indent=2))
+    path.with_suffix(".md").write_text(markdown(report))
     print(json.dumps(report, indent=2))
     return 0
+
+
+def markdown(report: dict[str, Any], cpu: dict[str, Any] | None = None) -> str:
+    """The short summary for people (benchmarks/README.md: JSON for machines, Markdown for people)."""
+    v, e, f, b, m = (report[k] for k in ("vram_gib", "encode_stage", "to_first_step_end", "bytes_per_text", "machine"))
+    shape = report["shape"]
+    lines = [
+        "# Encoder-free workers: VRAM and the encode stage, with and without the text encoder",
+        "",
+        f"- command: `{report['command']}`",
+        f"- machine: {m['gpu']} ({m['gpu_memory_gib']} GiB), torch {m['torch']} (CUDA {m['cuda']}), diffusers "
+        f"{m['diffusers']}, transformers {m['transformers']}, Python {m['python']}; {m['date']}",
+        f"- model: wan2.1-1.3b-arch (UMT5-XXL + the 1.3B transformer, random weights), bf16, VAE fp32; "
+        f"{shape['height']}×{shape['width']}×{shape['frames']}, CFG 5",
+        "",
+        "| | with the text encoder (local) | without it (remote) | remote / local |",
+        "|---|---|---|---|",
+        f"| resident VRAM after the build | {v['resident_local']} GiB | {v['resident_remote']} GiB | "
+        f"{v['resident_remote'] / v['resident_local']:.3f} |",
+        f"| peak VRAM of a render ({shape['steps_peak_render']} steps) | {v['peak_local']} GiB | {v['peak_remote']} "
+        f"GiB | {v['peak_ratio_remote_over_local']} |",
+        "",
+        "| per render, p50 / p95 / mean s | cold: the pipeline's own encoder | cached: rows unpacked, checked, padded "
+        "| cached / cold (p95) |",
+        "|---|---|---|---|",
+        f"| `encode_text` stage | {e['cold_local_encoder']['p50_s']} / {e['cold_local_encoder']['p95_s']} / "
+        f"{e['cold_local_encoder']['mean_s']} | {e['cached']['p50_s']} / {e['cached']['p95_s']} / "
+        f"{e['cached']['mean_s']} | {report['ratio_cached_over_cold_p95_encode']} |",
+        f"| `generate()` to the end of the first denoising step | {f['cold_local_encoder']['p50_s']} / "
+        f"{f['cold_local_encoder']['p95_s']} / {f['cold_local_encoder']['mean_s']} | {f['cached']['p50_s']} / "
+        f"{f['cached']['p95_s']} / {f['cached']['mean_s']} | |",
+        "",
+        f"- bytes per cached text (prompt or negative prompt, {b['texts']} texts): {b['safetensors_mean']} B as "
+        f"safetensors (L2), {b.get('zstd3_mean', '–')} B zstd level 3 (L3); the largest {b['max']} B",
+        f"- the text encoder's resident share: {v['text_encoder_resident']} GiB",
+        "- the Redis round trip of an L2 hit is not in the cached figure (no Redis on the GPU machine); "
+        "benchmarks/results/cache_replay_*.md measures the cache path against a real Redis",
+        "- the cold figure is UMT5-XXL on the GPU the worker renders on; with an encoder-free worker a cold prompt is "
+        "encoded by the prewarmer instead (below for a CPU prewarmer)",
+    ]
+    if cpu is not None:
+        c = cpu["cpu_bf16_umt5xxl"]
+        lines += [
+            f"- UMT5-XXL in bf16 on the same machine's CPU ({c['threads']} threads): "
+            f"{', '.join(str(t) for t in c['per_text_s'])} s per text (random init took {c['build_s']} s; a real "
+            "checkpoint loads from disk instead)",
+        ]
+    return "\n".join(lines) + "\n"
 
 
 def cpu_encoder(texts: list[str], args: argparse.Namespace) -> int:

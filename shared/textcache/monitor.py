@@ -229,7 +229,7 @@ class HitRateMonitor:
         elif self._good_run >= self.recover_windows:
             self.mode = "normal"
             self._low_run = dict.fromkeys(self.tiers, 0)
-            return ModeChange("normal", f"every tier at or above {self.threshold:.0%}", window.index)
+            return ModeChange("normal", f"every judged rate at or above {self.threshold:.0%}", window.index)
         return None
 
 

@@ -265,17 +265,20 @@ class Prewarmer:
 
     def _prewarm_chunk(self, chunk: list[Candidate], report: CycleReport) -> None:
         l2, l3 = self.cache.l2, self.cache.l3
+        first = l2 or l3  # the tier workers look in first after their own L1
+        if first is None:
+            return  # no shared tier to fill (both "off"): the prewarmer only answers encode requests
         keys = [c.key for c in chunk]
         try:
-            in_l2 = l2.existing(keys) if l2 is not None else set()
+            present = first.existing(keys)
         except TierDown:
             return  # nothing to fill: the workers encode meanwhile
-        self._remember(in_l2)
-        missing = [c for c in chunk if c.key not in in_l2]
+        self._remember(present)
+        missing = [c for c in chunk if c.key not in present]
         if not missing:
             return
         from_l3: dict[str, bytes] = {}
-        if l3 is not None:
+        if l3 is not None and l2 is not None:
             try:
                 from_l3 = {k: v for k, v in l3.get_many([c.key for c in missing]).items() if v is not None}
             except TierDown:

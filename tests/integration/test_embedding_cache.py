@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
@@ -374,3 +375,26 @@ def test_a_failing_encoder_answers_the_worker_at_once_with_the_error(settings, c
     with pytest.raises(EmbeddingsUnavailable, match="encoding failed: RuntimeError: CUDA out of memory"):
         remote(settings, 30).encode(encoder.identity, ["a tree"])
     thread.join(5)
+
+
+def test_a_prewarm_cycle_fills_what_l2_lacks_promotes_from_l3_and_needs_a_tier(settings, clean_state, encoder):
+    from shared.textcache.queued import QueuedPrompts
+
+    jobs = [QueuedPrompts(uuid.uuid4(), TINY_WAN, (f"a {c} balloon in the sky", "blurry")) for c in ("red", "blue")]
+    prewarmer = Prewarmer(settings, encoders={(TINY_WAN, "float32"): encoder}, queued=lambda n: jobs)
+    report = prewarmer.cycle()
+    assert report.encoded == 3 and report.promoted == 0  # "blurry" once
+    for text in ("a red balloon in the sky", "a blue balloon in the sky", "blurry"):
+        key = encoder.identity.key(text)
+        assert torch.equal(stored(settings, "l2", key, encoder), encoder.encode([text])[0])
+        assert raw(settings, "l3", key) is not None
+
+    # Gone from L2 (expired, evicted), still in L3: the next prewarmer copies it back without encoding.
+    tier_redis(settings, "l2").delete(f"{settings.broker_key_prefix}vidq:emb:l2:{encoder.identity.key('blurry')}")
+    again = Prewarmer(settings, encoders={(TINY_WAN, "float32"): encoder}, queued=lambda n: jobs).cycle()
+    assert (again.encoded, again.promoted) == (0, 1)
+    assert raw(settings, "l2", encoder.identity.key("blurry")) is not None
+
+    # No shared tier at all: nothing to fill, nothing encoded.
+    off = settings.model_copy(update={"cache_l2_url": "off", "cache_l3_url": "off"})
+    assert Prewarmer(off, encoders={(TINY_WAN, "float32"): encoder}, queued=lambda n: jobs).cycle().encoded == 0

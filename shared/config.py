@@ -31,6 +31,9 @@ class Settings(BaseSettings):
     db_pool_size: int = 10
     db_pool_timeout_s: float = 5.0
     db_pool_recycle_s: int = 1800
+    # The API's async pool retries a lost connection with a doubling delay for at most this long, then lets the next
+    # request connect at once: after an outage the API answers again within about this long.
+    db_pool_reconnect_s: float = 5.0
     broker_url: RedisDsn = RedisDsn("redis://127.0.0.1:6379/0")
     redis_socket_timeout_s: float = 5.0
     # Every Redis key the broker writes starts with this (queues, unacked, bindings, event channels), so several

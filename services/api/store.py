@@ -174,6 +174,10 @@ class JobStore:
             max_size=settings.db_pool_size,
             timeout=settings.db_pool_timeout_s,
             max_lifetime=settings.db_pool_recycle_s,
+            # After an outage the pool reconnects with a doubling delay (1, 2, 4, 8 … s) that psycopg does not cap:
+            # Postgres back after 10 s would wait for the attempt at 15 s, after 60 s for the one at 63 s. Giving
+            # up after this long ends the wait; the next request then connects at once (and backs off again).
+            reconnect_timeout=settings.db_pool_reconnect_s,
             open=False,
             kwargs={
                 "connect_timeout": settings.db_connect_timeout_s,

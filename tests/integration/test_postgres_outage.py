@@ -159,7 +159,8 @@ def test_postgres_outage_delays_jobs_by_the_outage_and_strands_none(
         except Exception as exc:
             raise AssertionError(f"not all jobs finished {RECOVERY_S:.0f} s after the outage: {last}") from exc
         recovered_s = time.monotonic() - up_at
-        assert httpx.get(f"{url}/readyz", timeout=15).status_code == 200
+        ready = httpx.get(f"{url}/readyz", timeout=15)
+        assert ready.status_code == 200, ready.text
         assert client.get(f"/v1/jobs/{ids[-1]}").json()["status"] == "succeeded"
 
     with session_scope(settings) as session:

@@ -8,11 +8,13 @@ import os
 from collections.abc import Awaitable
 from typing import Any
 
+import psycopg
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 from sqlalchemy import text
+from sqlalchemy.exc import DBAPIError
 
 router = APIRouter(tags=["health"])
 _pool = cf.ThreadPoolExecutor(max_workers=3, thread_name_prefix="readyz")
@@ -31,9 +33,18 @@ async def readyz(request: Request) -> JSONResponse:
     state = request.app.state
     timeout_s = state.settings.readyz_timeout_s
 
+    # A connection that died while Postgres was away is discarded by the failed SELECT; the pool then opens a new
+    # one. One retry tells "a stale pooled connection" (ready) from "Postgres down" (not ready), so the probe does
+    # not report an outage that is over.
     def db() -> None:
-        with state.engine.connect() as conn:
-            conn.execute(text("SELECT 1"))
+        for attempt in (1, 2):
+            try:
+                with state.engine.connect() as conn:
+                    conn.execute(text("SELECT 1"))
+                return
+            except DBAPIError as exc:
+                if attempt == 2 or not exc.connection_invalidated:
+                    raise
 
     def redis() -> None:
         with state.celery.connection_for_write() as conn:
@@ -48,8 +59,14 @@ async def readyz(request: Request) -> JSONResponse:
 
     async def db_pool() -> None:
         # One SELECT on a pooled connection; the pool's own wait is bounded too, so a full pool answers in time.
-        async with state.store.pool.connection(timeout=timeout_s) as conn:
-            await conn.execute("SELECT 1")
+        for attempt in (1, 2):
+            try:
+                async with state.store.pool.connection(timeout=timeout_s) as conn:
+                    await conn.execute("SELECT 1")
+                return
+            except psycopg.OperationalError:  # the pool drops a broken connection when it comes back
+                if attempt == 2:
+                    raise
 
     async def postgres() -> None:
         outcomes = await asyncio.gather(loop.run_in_executor(_pool, db), db_pool(), return_exceptions=True)

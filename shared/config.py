@@ -115,6 +115,9 @@ class Settings(BaseSettings):
 
     # --- worker -------------------------------------------------------------------------------------------------
     worker_preload_models: list[str] = Field(default_factory=list)  # built in worker_process_init
+    # CPUs the worker runs on, comma-separated ("" = all it has); `vidq worker --gpus` sets each worker's to its GPU's
+    # NUMA node.
+    worker_cpu_affinity: str = ""
     task_soft_time_limit_s: int = 1800
     task_time_limit_s: int = 1900
     visibility_timeout_s: int = 7200

@@ -9,6 +9,7 @@ from typing import Annotated, Any
 import typer
 
 from tools.cli import client, stack
+from tools.processes import vidq_argv
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="vidq: asynchronous text-to-video service.")
 app.command("up")(stack.up)
@@ -88,6 +89,9 @@ def worker(
     name: Annotated[str, typer.Option(help="Celery node name")] = "",
     preload: Annotated[bool, typer.Option(help="build the default model when the process starts")] = True,
     metrics_port: Annotated[int | None, typer.Option(help="Prometheus port (0 = off; default from settings)")] = None,
+    gpus: Annotated[
+        str, typer.Option(help="'all' or GPU indices ('0,2'): one video worker per GPU, pinned to it and its CPUs")
+    ] = "",
 ) -> None:
     """Run a Celery worker. Video workers take video.high, then video.medium, then video.low (strict order)."""
     if role not in WORKER_ROLES:
@@ -96,12 +100,21 @@ def worker(
 
     from shared.config import get_settings
 
+    if gpus:
+        if role != "video":
+            raise typer.BadParameter("--gpus runs video workers: use it with --role video")
+        raise typer.Exit(code=_gpu_workers(gpus, name=name or "video", preload=preload, metrics_port=metrics_port))
+
     # Pool children write their metrics here; the main process serves them (prometheus multiprocess mode).
     os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", tempfile.mkdtemp(prefix="vidq-metrics-"))
     if metrics_port is not None:
         os.environ["VIDQ_WORKER_METRICS_PORT"] = str(metrics_port)
     get_settings.cache_clear()
     settings = get_settings()
+    if settings.worker_cpu_affinity:
+        from services.worker.gpus import apply_affinity
+
+        apply_affinity([int(c) for c in settings.worker_cpu_affinity.split(",") if c.strip()])
     if role != "webhooks" and preload and not settings.worker_preload_models:
         # Passed to the pool child (worker_process_init reads it through Settings).
         os.environ["VIDQ_WORKER_PRELOAD_MODELS"] = json.dumps([settings.default_model])
@@ -131,8 +144,34 @@ def worker(
             raise typer.Exit(code=1)
 
 
+def _gpu_workers(spec: str, *, name: str, preload: bool, metrics_port: int | None) -> int:
+    """`vidq worker --gpus`: one pinned video worker per GPU, supervised (services/worker/gpus.py)."""
+    from services.worker.gpus import GpuWorkers, list_gpus, select, worker_env
+    from shared.config import get_settings
+    from shared.logs import configure_logging
+
+    settings = get_settings()
+    configure_logging(level=settings.log_level, json_logs=settings.log_json)
+    try:
+        chosen = select(list_gpus(), spec)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    port = settings.worker_metrics_port if metrics_port is None else metrics_port
+    extra = [] if preload else ["--no-preload"]
+    workers = GpuWorkers(
+        chosen,
+        argv=lambda gpu: vidq_argv("worker", "--role", "video", "--name", f"{name}-gpu{gpu.index}", *extra),
+        env=lambda gpu, i: worker_env(
+            gpu, os.environ, ordinal=i, metrics_port=port, liveness_file=settings.worker_liveness_file
+        ),
+    )
+    return workers.run()
+
+
 @app.command("worker-alive")
-def worker_alive() -> None:
+def worker_alive(
+    gpus: Annotated[str, typer.Option(help="the --gpus the workers were started with: checks each one's files")] = "",
+) -> None:
     """Liveness probe for a worker: exit 0 if its consumer loop touched the liveness file recently and a pool
     process can take a job (ready, or loading its models for less than VIDQ_WORKER_MODEL_LOAD_TIMEOUT_S)."""
     from pathlib import Path
@@ -141,18 +180,23 @@ def worker_alive() -> None:
     from shared.liveness import is_alive, pool_path, pool_problem
 
     settings = get_settings()
-    path = Path(settings.worker_liveness_file)
-    if not is_alive(path, max_age_s=settings.worker_liveness_max_age_s):
-        typer.echo(f"stale or missing: {path}", err=True)
-        raise typer.Exit(code=1)
-    problem = pool_problem(
-        pool_path(path),
-        max_age_s=settings.worker_liveness_max_age_s,
-        load_timeout_s=settings.worker_model_load_timeout_s,
-    )
-    if problem:
-        typer.echo(f"{pool_path(path)}: {problem}", err=True)
-        raise typer.Exit(code=1)
+    paths = [Path(settings.worker_liveness_file)]
+    if gpus:
+        from services.worker.gpus import list_gpus, select
+
+        paths = [Path(f"{settings.worker_liveness_file}.gpu{g.index}") for g in select(list_gpus(), gpus)]
+    for path in paths:
+        if not is_alive(path, max_age_s=settings.worker_liveness_max_age_s):
+            typer.echo(f"stale or missing: {path}", err=True)
+            raise typer.Exit(code=1)
+        problem = pool_problem(
+            pool_path(path),
+            max_age_s=settings.worker_liveness_max_age_s,
+            load_timeout_s=settings.worker_model_load_timeout_s,
+        )
+        if problem:
+            typer.echo(f"{pool_path(path)}: {problem}", err=True)
+            raise typer.Exit(code=1)
     typer.echo("alive")
 
 

@@ -145,6 +145,12 @@ class Settings(BaseSettings):
     model_dir: str | None = None  # local diffusers folder served as model "local"
     device: str | None = None  # "cuda", "cpu"; None = cuda if available
     cuda_dtype: Literal["bfloat16", "float16"] = "bfloat16"
+    # resident: every weight stays on the GPU. low_vram: the transformer and text encoder stay in CPU RAM and are
+    # streamed to the GPU block by block (diffusers group offloading on a side stream), the VAE decodes in tiles. A
+    # resident worker that runs out of GPU memory retries the job once in low_vram and keeps that model there.
+    worker_memory_mode: Literal["resident", "low_vram"] = "resident"
+    # Test knob only: the next this-many renders of each pool process raise a real torch.OutOfMemoryError.
+    worker_fault_oom_renders: int = 0
     # local: the worker loads the model's text encoder and encodes what no cache tier holds. remote: it never loads
     # the encoder (UMT5-XXL is ≈ 11 GiB of VRAM); what no tier holds it asks the prewarmer for.
     worker_text_encoder: Literal["local", "remote"] = "local"

@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from celery.exceptions import SoftTimeLimitExceeded
 from minio.error import S3Error
@@ -35,6 +35,9 @@ from shared.spec import GenerationSpec
 from shared.states import JobStatus, cancelled_by_worker, claim, fail, release_for_retry, succeed
 from shared.storage import Storage, StoredObject, poster_key, video_key
 from shared.textcache.remote import EmbeddingsUnavailable
+
+if TYPE_CHECKING:  # the render code (torch) is imported where a job renders, not when the task module loads
+    from shared.render.pipeline import RenderResult, VideoPipeline
 
 log = logging.getLogger("vidq.worker.runner")
 
@@ -226,9 +229,14 @@ def _run_job(
             message=str(exc) if unavailable else repr(exc),
         )
     except Exception as exc:
-        from shared.render.pipeline import PermanentRenderError
+        from shared.render.pipeline import PermanentRenderError, RenderOutOfMemory
 
-        code = "invalid_for_model" if isinstance(exc, PermanentRenderError) else "render_failed"
+        if isinstance(exc, RenderOutOfMemory):
+            code = "out_of_memory"
+        elif isinstance(exc, PermanentRenderError):
+            code = "invalid_for_model"
+        else:
+            code = "render_failed"
         log.exception("render failed", extra=ctx)
         return _fail(settings, celery, job_id=job_id, token=token, code=code, message=f"{exc}")
 
@@ -287,8 +295,10 @@ def _render_and_store(
     tenant_id: str,
     job_id: uuid.UUID,
 ) -> dict[str, object]:
-    from services.worker.embeddings import text_rows
-    from shared.render.registry import pipeline_for
+    import torch
+
+    from shared.render.pipeline import RenderOutOfMemory
+    from shared.render.registry import fall_back_to_low_vram, pipeline_for
     from shared.render.video import encode_mp4, write_poster
 
     # 2. Render (the pipeline is loaded once per process and kept warm); the prompt embeddings come from the
@@ -296,7 +306,18 @@ def _render_and_store(
     #    the next step when the job is cancelled.
     settings = celery.settings
     pipeline = pipeline_for(spec.model, settings)
-    result = pipeline.generate(spec, on_step=lease.on_step, text_rows=text_rows(celery, pipeline))
+    try:
+        result = _generate(pipeline, spec, celery=celery, lease=lease)
+    except torch.OutOfMemoryError as exc:
+        # The worker survives it (generate released the render's memory). Once in low_vram, for this model from now.
+        if pipeline.memory_mode == "low_vram":
+            raise RenderOutOfMemory(f"CUDA out of memory in low_vram mode: {exc}"[:500]) from exc
+        log.warning("CUDA out of memory; retrying once in low_vram", extra={"job_id": str(job_id), "model": spec.model})
+        pipeline = fall_back_to_low_vram(spec.model, settings)
+        try:
+            result = _generate(pipeline, spec, celery=celery, lease=lease)
+        except torch.OutOfMemoryError as again:
+            raise RenderOutOfMemory(f"CUDA out of memory, in low_vram too: {again}"[:500]) from again
     lease.check()
     timings: dict[str, float] = {k: round(v, 4) for k, v in result.timings_s.items()}
     with tempfile.TemporaryDirectory(prefix="vidq-") as tmp:
@@ -316,7 +337,12 @@ def _render_and_store(
     for stage, seconds in timings.items():
         STAGE_SECONDS.labels(stage).observe(seconds)
     # Stored with the job: stage seconds plus where the render ran.
-    record: dict[str, object] = {**timings, "device": result.device, "dtype": result.dtype}
+    record: dict[str, object] = {
+        **timings,
+        "device": result.device,
+        "dtype": result.dtype,
+        "memory_mode": pipeline.memory_mode,
+    }
     if result.peak_vram_bytes is not None:
         record["peak_vram_bytes"] = result.peak_vram_bytes
     return {
@@ -329,3 +355,20 @@ def _render_and_store(
         "progress_step": spec.steps,
         "progress_total": spec.steps,
     }
+
+
+_oom_faults: list[int] = []  # test knob (VIDQ_WORKER_FAULT_OOM_RENDERS): renders of this process left to fail
+
+
+def _generate(pipeline: VideoPipeline, spec: GenerationSpec, *, celery: VidqCelery, lease: Lease) -> RenderResult:
+    """One render with the embedding cache's text rows; the test knob's out-of-memory errors are raised here."""
+    import torch
+
+    from services.worker.embeddings import text_rows
+
+    if not _oom_faults:
+        _oom_faults.append(celery.settings.worker_fault_oom_renders)
+    if _oom_faults[0] > 0:
+        _oom_faults[0] -= 1
+        raise torch.OutOfMemoryError("CUDA out of memory (VIDQ_WORKER_FAULT_OOM_RENDERS test knob)")
+    return pipeline.generate(spec, on_step=lease.on_step, text_rows=text_rows(celery, pipeline))

@@ -39,6 +39,10 @@ class PermanentRenderError(Exception):
     """The model rejected the input itself: retrying the same job cannot succeed."""
 
 
+class RenderOutOfMemory(Exception):
+    """The GPU ran out of memory for this job even in ``low_vram`` mode: this GPU cannot render this shape."""
+
+
 @dataclass(frozen=True, slots=True)
 class RenderResult:
     frames: np.ndarray  # uint8, (frames, height, width, 3)
@@ -59,6 +63,7 @@ class VideoPipeline:
         device: torch.device,
         dtype: torch.dtype,
         identity: EncoderIdentity | None = None,
+        memory_mode: str = "resident",
     ) -> None:
         for attribute in ("encode_prompt", "vae", "video_processor"):
             if not hasattr(pipe, attribute):
@@ -69,6 +74,7 @@ class VideoPipeline:
         self.model = model
         self.device = device
         self.dtype = dtype
+        self.memory_mode = memory_mode  # shared/render/registry.py apply_memory_mode
         # What its prompt embeddings are cached under; from the model's configuration unless given.
         self.identity = identity or encoder_identity(model, dtype=dtype)
         self.encoder = pipeline_text_encoder(pipe, self.identity)  # None: built without one (remote text encoding)

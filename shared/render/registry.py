@@ -28,6 +28,8 @@ from shared.render.pipeline import VideoPipeline
 from shared.render.precision import dtype_from_name, dtype_name, resolve_device
 from shared.render.text import LOCAL, encoder_identity
 
+MEMORY_MODES = ("resident", "low_vram")
+
 __all__ = ["LOCAL", "TINY_WAN", "WAN21_13B_ARCH", "PipelineKey", "build_pipeline", "get_pipeline", "pipeline_for"]
 
 
@@ -46,6 +48,9 @@ class RenderSettings(Protocol):
     @property
     def worker_text_encoder(self) -> str: ...  # "local": built with its text encoder; "remote": without
 
+    @property
+    def worker_memory_mode(self) -> str: ...  # "resident" or "low_vram"
+
 
 @dataclass(frozen=True, slots=True)
 class PipelineKey:
@@ -55,9 +60,12 @@ class PipelineKey:
     precision: str  # the compute dtype's name for now: "bfloat16", "float16" or "float32"
     device: str  # as torch prints it: "cpu", "cuda", "cuda:1"
     text_encoder: bool = True  # False: built without it (embeddings come from the cache or the prewarmer)
+    memory_mode: str = "resident"  # or "low_vram": weights in CPU RAM, streamed to the GPU block by block
 
     def __post_init__(self) -> None:
         dtype_from_name(self.precision)  # a typo fails here, not minutes later in a build
+        if self.memory_mode not in MEMORY_MODES:
+            raise ValueError(f"unknown memory mode {self.memory_mode!r}; expected one of {MEMORY_MODES}")
 
     @property
     def torch_device(self) -> torch.device:
@@ -68,10 +76,72 @@ class PipelineKey:
         return dtype_from_name(self.precision)
 
 
-def pipeline_key(model: str, *, device_pref: str | None, cuda_dtype: str, text_encoder: bool = True) -> PipelineKey:
+class WholeModuleOffload:
+    """Keeps a module's weights in pinned CPU memory and copies all of them to ``device`` for each forward call,
+    dropping the GPU copies after it (tied weights are copied once)."""
+
+    def __init__(self, module: torch.nn.Module, device: torch.device) -> None:
+        self.device = device
+        self.tensors = [*module.parameters(), *module.buffers()]
+        self.pinned = [t.data.to("cpu").pin_memory() for t in self.tensors]
+        for tensor, pinned in zip(self.tensors, self.pinned, strict=True):
+            tensor.data = pinned
+        module.register_forward_pre_hook(self._onload)
+        module.register_forward_hook(self._offload)
+        module.vidq_onload_device = device  # type: ignore[assignment]  # where its inputs must go (text.py)
+
+    def _onload(self, *_: object) -> None:
+        for tensor, pinned in zip(self.tensors, self.pinned, strict=True):
+            tensor.data = pinned.to(self.device, non_blocking=True)
+
+    def _offload(self, *_: object) -> None:
+        for tensor, pinned in zip(self.tensors, self.pinned, strict=True):
+            tensor.data = pinned
+
+
+def pipeline_key(
+    model: str, *, device_pref: str | None, cuda_dtype: str, text_encoder: bool = True, memory_mode: str = "resident"
+) -> PipelineKey:
     """The key ``model`` runs under on this machine: ``settings.device`` and ``settings.cuda_dtype`` resolved."""
     device, dtype = resolve_device(device_pref, cuda_dtype=cuda_dtype)
-    return PipelineKey(model=model, precision=dtype_name(dtype), device=str(device), text_encoder=text_encoder)
+    return PipelineKey(
+        model=model,
+        precision=dtype_name(dtype),
+        device=str(device),
+        text_encoder=text_encoder,
+        memory_mode=memory_mode,
+    )
+
+
+def apply_memory_mode(pipe: DiffusionPipeline, mode: str, *, device: torch.device) -> None:
+    """``low_vram``: the transformer lives in CPU RAM and is streamed to ``device`` one block at a time on a side
+    CUDA stream (diffusers group offloading: the next block's copy overlaps this block's compute); the text encoder
+    lives in pinned CPU RAM and is copied whole to the GPU for each encode (``WholeModuleOffload``: its peak never
+    coincides with the transformer's); the VAE decodes in tiles. ``resident`` (and any mode off CUDA): everything
+    stays where it was built."""
+    if mode == "resident" or device.type != "cuda":
+        return
+    from diffusers.hooks import apply_group_offloading
+
+    transformer = getattr(pipe, "transformer", None)
+    if transformer is not None:
+        apply_group_offloading(
+            transformer,
+            onload_device=device,
+            offload_device=torch.device("cpu"),
+            offload_type="block_level",
+            num_blocks_per_group=1,
+            use_stream=True,
+        )
+    text_encoder = getattr(pipe, "text_encoder", None)
+    if text_encoder is not None:
+        # Block-level streaming of UMT5 measured 10 s per encode on an H200 (its blocks sit below a T5Stack, which
+        # group offloading treats as one unmatched module): one pinned copy of the whole encoder is ~0.5 s.
+        WholeModuleOffload(text_encoder, device)
+    vae = getattr(pipe, "vae", None)
+    if vae is not None and hasattr(vae, "enable_tiling"):
+        vae.enable_tiling()
+    torch.cuda.empty_cache()
 
 
 def build_pipeline(
@@ -118,25 +188,47 @@ def get_pipeline(key: PipelineKey, *, model_dir: str | None = None) -> VideoPipe
             pipe = build_pipeline(
                 key.model, device=device, dtype=dtype, model_dir=folder, text_encoder=key.text_encoder
             )
+            apply_memory_mode(pipe, key.memory_mode, device=device)
             identity = encoder_identity(key.model, dtype=dtype, model_dir=folder)
-            _cache[key] = VideoPipeline(pipe, model=key.model, device=device, dtype=dtype, identity=identity)
+            _cache[key] = VideoPipeline(
+                pipe, model=key.model, device=device, dtype=dtype, identity=identity, memory_mode=key.memory_mode
+            )
         return _cache[key]
 
 
-def pipeline_for(model: str, settings: RenderSettings) -> VideoPipeline:
-    """The process-wide pipeline for ``model`` under ``settings`` (device, CUDA dtype, model folder)."""
+def pipeline_for(model: str, settings: RenderSettings, *, memory_mode: str | None = None) -> VideoPipeline:
+    """The process-wide pipeline for ``model`` under ``settings`` (device, CUDA dtype, model folder, memory mode);
+    ``memory_mode`` overrides the worker's (a retry after running out of memory)."""
+    mode = memory_mode or _downgraded.get(model) or settings.worker_memory_mode
     key = pipeline_key(
         model,
         device_pref=settings.device,
         cuda_dtype=settings.cuda_dtype,
         text_encoder=settings.worker_text_encoder == "local",
+        memory_mode=mode,
     )
     return get_pipeline(key, model_dir=settings.model_dir)
+
+
+_downgraded: dict[str, str] = {}  # model → the memory mode this process falls back to after running out
+
+
+def fall_back_to_low_vram(model: str, settings: RenderSettings) -> VideoPipeline:
+    """After a CUDA out-of-memory: drop this process's pipelines of ``model`` (their VRAM goes back), and serve
+    ``model`` in ``low_vram`` from now on. Returns that pipeline."""
+    with _cache_lock:
+        for key in [k for k in _cache if k.model == model]:
+            del _cache[key]
+    _downgraded[model] = "low_vram"
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return pipeline_for(model, settings, memory_mode="low_vram")
 
 
 def clear_cache() -> None:
     """Drop every cached pipeline (tests; a worker that must free its GPU)."""
     with _cache_lock:
         _cache.clear()
+        _downgraded.clear()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

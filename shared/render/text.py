@@ -105,7 +105,8 @@ class TextEncoder:
         self.tokenizer = tokenizer
         self.encoder: Any = encoder  # a transformers encoder: called with (ids, mask)
         self.identity = identity
-        self.device = next(encoder.parameters()).device
+        # An offloaded encoder (registry.WholeModuleOffload) keeps its weights on the CPU between calls.
+        self.device = getattr(encoder, "vidq_onload_device", None) or next(encoder.parameters()).device
 
     def encode(self, texts: list[str], *, batch_size: int = 1) -> list[torch.Tensor]:
         """One (n_i, hidden) tensor per text, on the CPU, in ``identity.dtype``: the rows ``WanPipeline`` keeps

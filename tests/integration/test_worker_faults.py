@@ -117,3 +117,27 @@ def test_a_second_sigterm_or_the_end_of_the_grace_period_stops_at_once(client, s
     procs.procs.pop(name)
     assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
     assert client.get(f"/v1/jobs/{job['id']}").json()["status"] == "running"
+
+
+def test_cuda_out_of_memory_retries_the_job_once_in_low_vram_and_the_worker_keeps_that_mode(
+    client, start_worker, procs
+):
+    with process_env(procs, VIDQ_WORKER_FAULT_OOM_RENDERS="1"):  # the first render raises torch.OutOfMemoryError
+        name = start_worker("video")
+    job = wait_job(client, submit(client)["id"], {"succeeded", "failed"}, timeout_s=120)
+    assert job["status"] == "succeeded" and job["attempt"] == 1
+    assert job["timings"]["memory_mode"] == "low_vram"
+    assert "CUDA out of memory; retrying once in low_vram" in procs.log_path(name).read_text()
+    after = wait_job(client, submit(client, seed=2)["id"], {"succeeded"}, timeout_s=120)
+    assert after["timings"]["memory_mode"] == "low_vram"  # the model stays in low_vram in this worker
+
+
+def test_out_of_memory_in_low_vram_too_fails_the_job_with_its_code_and_the_worker_lives_on(client, start_worker, procs):
+    with process_env(procs, VIDQ_WORKER_FAULT_OOM_RENDERS="2"):  # the render and its low_vram retry
+        name = start_worker("video")
+    failed = wait_job(client, submit(client)["id"], {"succeeded", "failed"}, timeout_s=120)
+    assert failed["status"] == "failed" and failed["attempt"] == 1
+    assert failed["error"]["code"] == "out_of_memory"
+    assert "low_vram too" in failed["error"]["message"]
+    assert procs.procs[name].poll() is None
+    assert wait_job(client, submit(client, seed=3)["id"], {"succeeded"}, timeout_s=120)["attempt"] == 1

@@ -247,10 +247,36 @@ def test_pipeline_for_reads_only_the_settings_it_is_given(tmp_path: Path) -> Non
         cuda_dtype = "bfloat16"
         model_dir = str(tmp_path / "not-a-pipeline")  # read for "local" only
         worker_text_encoder = "local"
+        worker_memory_mode = "resident"
 
     clear_pipeline_cache()
     try:
         pipe = pipeline_for(TINY_WAN, Settings())
         assert pipe is get_pipeline(PipelineKey(TINY_WAN, "float32", "cpu"))
+    finally:
+        clear_pipeline_cache()
+
+
+def test_memory_mode_is_part_of_the_key_and_an_out_of_memory_fallback_sticks_to_low_vram() -> None:
+    from shared.render.registry import fall_back_to_low_vram
+
+    with pytest.raises(ValueError, match="unknown memory mode"):
+        PipelineKey(TINY_WAN, "float32", "cpu", memory_mode="tiny")
+
+    class Settings:
+        device = "cpu"
+        cuda_dtype = "bfloat16"
+        model_dir = None
+        worker_text_encoder = "local"
+        worker_memory_mode = "resident"
+
+    clear_pipeline_cache()
+    try:
+        resident = pipeline_for(TINY_WAN, Settings())
+        assert resident.memory_mode == "resident"
+        low = fall_back_to_low_vram(TINY_WAN, Settings())
+        assert low.memory_mode == "low_vram" and low is not resident
+        assert pipeline_for(TINY_WAN, Settings()) is low  # the process keeps the model in low_vram from now on
+        assert get_pipeline(PipelineKey(TINY_WAN, "float32", "cpu")) is not resident  # the resident one was dropped
     finally:
         clear_pipeline_cache()

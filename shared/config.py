@@ -149,6 +149,13 @@ class Settings(BaseSettings):
     # streamed to the GPU block by block (diffusers group offloading on a side stream), the VAE decodes in tiles. A
     # resident worker that runs out of GPU memory retries the job once in low_vram and keeps that model there.
     worker_memory_mode: Literal["resident", "low_vram"] = "resident"
+    # The VRAM pool (shared/render/pool.py): the pipelines a worker keeps on its device. 0 = no budget / no limit.
+    vram_pool_budget_mb: int = 0
+    vram_pool_max_models: int = 0
+    vram_pool_eviction: Literal["lru", "priority"] = "lru"
+    vram_pool_priorities: dict[str, int] = Field(default_factory=dict)  # model → priority: higher stays longer
+    # Evicted resident pipelines wait in CPU RAM up to this many MiB (coming back is a copy, not a rebuild); 0 = drop.
+    vram_pool_host_budget_mb: int = 16384
     # Test knob only: the next this-many renders of each pool process raise a real torch.OutOfMemoryError.
     worker_fault_oom_renders: int = 0
     # local: the worker loads the model's text encoder and encodes what no cache tier holds. remote: it never loads

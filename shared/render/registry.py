@@ -15,7 +15,6 @@ per process, built on first use. Settings reach this module as arguments, from t
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -25,6 +24,7 @@ from diffusers.pipelines.pipeline_utils import DiffusionPipeline  # the root re-
 
 from shared.render.architectures import TINY_WAN, WAN21_13B_ARCH, build_tiny_wan, build_wan21_13b_arch
 from shared.render.pipeline import VideoPipeline
+from shared.render.pool import PipelinePool, PoolPolicy
 from shared.render.precision import dtype_from_name, dtype_name, resolve_device
 from shared.render.text import LOCAL, encoder_identity
 
@@ -172,34 +172,39 @@ def build_pipeline(
     return pipe
 
 
-_cache: dict[PipelineKey, VideoPipeline] = {}
-_cache_lock = threading.Lock()
+_pool = PipelinePool()  # this process's pipelines (shared/render/pool.py)
 
 
 def get_pipeline(key: PipelineKey, *, model_dir: str | None = None) -> VideoPipeline:
-    """The process-wide pipeline for ``key``, built on first use and then kept warm on its device.
+    """The process-wide pipeline for ``key``: built on first use, then kept warm on its device while the VRAM pool's
+    budget allows (one build per key even when two threads ask at once).
 
     ``model_dir`` is ``settings.model_dir``; only the model ``local`` reads it.
     """
-    with _cache_lock:  # one build per key even when two threads ask at once
-        if key not in _cache:
-            device, dtype = key.torch_device, key.dtype
-            folder = model_dir if key.model == LOCAL else None  # any other name is its own source
-            pipe = build_pipeline(
-                key.model, device=device, dtype=dtype, model_dir=folder, text_encoder=key.text_encoder
-            )
-            apply_memory_mode(pipe, key.memory_mode, device=device)
-            identity = encoder_identity(key.model, dtype=dtype, model_dir=folder)
-            _cache[key] = VideoPipeline(
-                pipe, model=key.model, device=device, dtype=dtype, identity=identity, memory_mode=key.memory_mode
-            )
-        return _cache[key]
+
+    def build() -> VideoPipeline:
+        device, dtype = key.torch_device, key.dtype
+        folder = model_dir if key.model == LOCAL else None  # any other name is its own source
+        pipe = build_pipeline(key.model, device=device, dtype=dtype, model_dir=folder, text_encoder=key.text_encoder)
+        apply_memory_mode(pipe, key.memory_mode, device=device)
+        identity = encoder_identity(key.model, dtype=dtype, model_dir=folder)
+        return VideoPipeline(
+            pipe, model=key.model, device=device, dtype=dtype, identity=identity, memory_mode=key.memory_mode
+        )
+
+    return _pool.get(key, build)
+
+
+def pool_state() -> list[tuple[PipelineKey, str, int]]:
+    """(key, "device" or "host", bytes) of this process's pipelines, most recently used first."""
+    return _pool.state()
 
 
 def pipeline_for(model: str, settings: RenderSettings, *, memory_mode: str | None = None) -> VideoPipeline:
     """The process-wide pipeline for ``model`` under ``settings`` (device, CUDA dtype, model folder, memory mode);
     ``memory_mode`` overrides the worker's (a retry after running out of memory)."""
     mode = memory_mode or _downgraded.get(model) or settings.worker_memory_mode
+    _pool.policy = PoolPolicy.from_settings(settings)
     key = pipeline_key(
         model,
         device_pref=settings.device,
@@ -216,19 +221,12 @@ _downgraded: dict[str, str] = {}  # model → the memory mode this process falls
 def fall_back_to_low_vram(model: str, settings: RenderSettings) -> VideoPipeline:
     """After a CUDA out-of-memory: drop this process's pipelines of ``model`` (their VRAM goes back), and serve
     ``model`` in ``low_vram`` from now on. Returns that pipeline."""
-    with _cache_lock:
-        for key in [k for k in _cache if k.model == model]:
-            del _cache[key]
+    _pool.drop(k for k in _pool.kept() if k.model == model)
     _downgraded[model] = "low_vram"
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
     return pipeline_for(model, settings, memory_mode="low_vram")
 
 
 def clear_cache() -> None:
     """Drop every cached pipeline (tests; a worker that must free its GPU)."""
-    with _cache_lock:
-        _cache.clear()
-        _downgraded.clear()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    _pool.drop(_pool.kept())
+    _downgraded.clear()

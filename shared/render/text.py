@@ -105,8 +105,13 @@ class TextEncoder:
         self.tokenizer = tokenizer
         self.encoder: Any = encoder  # a transformers encoder: called with (ids, mask)
         self.identity = identity
-        # An offloaded encoder (registry.WholeModuleOffload) keeps its weights on the CPU between calls.
-        self.device = getattr(encoder, "vidq_onload_device", None) or next(encoder.parameters()).device
+
+    @property
+    def device(self) -> torch.device:
+        """Where its inputs go: where its weights are (the VRAM pool may move them), or, for an offloaded encoder
+        (registry.WholeModuleOffload) whose weights wait on the CPU between calls, where they are copied to."""
+        onload: torch.device | None = getattr(self.encoder, "vidq_onload_device", None)
+        return onload or next(self.encoder.parameters()).device
 
     def encode(self, texts: list[str], *, batch_size: int = 1) -> list[torch.Tensor]:
         """One (n_i, hidden) tensor per text, on the CPU, in ``identity.dtype``: the rows ``WanPipeline`` keeps

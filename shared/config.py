@@ -72,6 +72,8 @@ class Settings(BaseSettings):
     events_max_s: float = 3600.0  # a stream ends after this; clients reconnect
     readyz_timeout_s: float = 3.0
     idempotency_ttl_s: int = 24 * 3600
+    # The result cache reuses a stored video only if S3 confirms it is there (one HEAD) within this long; else renders.
+    result_cache_check_timeout_s: float = 2.0
 
     # --- validation caps (the GPU never sees a request it would reject) -------------------------------------
     max_prompt_chars: int = 2000

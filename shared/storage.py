@@ -123,6 +123,16 @@ class Storage:
     def ping(self) -> bool:
         return self.client.bucket_exists(self.bucket)
 
+    def exists(self, key: str) -> bool:
+        """Whether ``key`` is stored (a HEAD). False for a missing object; S3 errors of any other kind raise."""
+        try:
+            self.client.stat_object(self.bucket, key)
+        except S3Error as exc:
+            if exc.code in {"NoSuchKey", "NoSuchObject", "NotFound", "NoSuchBucket"}:
+                return False
+            raise
+        return True
+
     def upload(self, key: str, path: Path, *, content_type: str) -> StoredObject:
         digest = hashlib.sha256(path.read_bytes()).hexdigest()
         self.client.fput_object(

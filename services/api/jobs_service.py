@@ -5,14 +5,18 @@ row is built in one place, ``job_values``; ``create_job`` inserts the same row t
 callers that have one (the sweeper's tests, tools).
 
 Result cache: a submit whose resolved spec equals that of a succeeded job of the same tenant (the same
-``result_key``, shared/spec.py) is inserted ``succeeded`` in the same transaction, pointing at that job's stored
-objects (``result_of``, no bytes copied, no S3 call), unless the request says ``"cache": false``. Nothing is sent to
-a video queue for it; its webhook goes out as any finished job's."""
+``result_key``, shared/spec.py) is inserted ``succeeded``, pointing at that job's stored objects (``result_of``, no
+bytes copied), unless the request says ``"cache": false``. One S3 HEAD first confirms the video is still stored
+(it may have been deleted, expired, or the bucket reset); otherwise, or if S3 does not answer in
+``result_cache_check_timeout_s``, the job renders. Nothing is sent to a video queue for a cached job; its webhook
+goes out as any finished job's."""
 
 from __future__ import annotations
 
 import base64
+import logging
 import uuid
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +33,8 @@ from shared.schemas import JobCreate
 from shared.scoring import score_job
 from shared.spec import GenerationSpec
 from shared.states import RESULT_CACHE, JobStatus, log_transition, served_from_cache, transition_values
+
+log = logging.getLogger("vidq.api.jobs")
 
 if TYPE_CHECKING:
     from services.api.deps import Caller
@@ -68,8 +74,19 @@ def create_job(session: Session, settings: Settings, *, tenant: Caller, body: Jo
     return job
 
 
+# Whether an object is still stored (the result cache reuses a job's video only while it is): the route passes the
+# process's S3 client, run in a thread.
+Stored = Callable[[str], Awaitable[bool]]
+
+
 async def submit(
-    store: JobStore, settings: Settings, *, tenant: Caller, body: JobCreate, idempotency_key: str | None
+    store: JobStore,
+    settings: Settings,
+    *,
+    tenant: Caller,
+    body: JobCreate,
+    idempotency_key: str | None,
+    stored: Stored | None = None,
 ) -> tuple[Job, bool]:
     """Returns (job, created), committed. With an Idempotency-Key, the same key and body return the first job; the
     same key with another body is refused. The key row and the job row commit together, in one transaction."""
@@ -77,15 +94,17 @@ async def submit(
     if idempotency_key is not None and not 1 <= len(idempotency_key) <= 200:
         raise InvalidRequest("Idempotency-Key must be 1..200 characters")
     values = job_values(settings, tenant_id=tenant.id, body=body, spec=spec)
+    # The result-cache candidate is checked before the insert's transaction (no connection held across an S3 call).
+    source = await _reusable_source(store, values, stored) if body.cache else None
     if idempotency_key is None:
         async with store.transaction() as conn:
-            return await _insert(store, conn, values, cache=body.cache), True
+            return await _insert(store, conn, values, source=source), True
     fingerprint = body.fingerprint()
     try:
         async with store.transaction() as conn:
             existing = await store.live_key(conn, tenant_id=tenant.id, key=idempotency_key)
             if existing is None:
-                job = await _insert(store, conn, values, cache=body.cache)
+                job = await _insert(store, conn, values, source=source)
                 expires_at = datetime.now(UTC) + timedelta(seconds=settings.idempotency_ttl_s)
                 if not await store.claim_key(
                     conn,
@@ -106,13 +125,34 @@ async def submit(
     return await _replay(store, tenant=tenant, existing=existing, fingerprint=fingerprint), False
 
 
-async def _insert(store: JobStore, conn: AsyncConnection[TupleRow], values: dict[str, Any], *, cache: bool) -> Job:
-    """Insert the new job in the caller's transaction: served from the result cache when the request allows it and
-    the tenant has a succeeded job with the same result key, else queued (the caller sends it after the commit)."""
-    if cache:
+async def _reusable_source(store: JobStore, values: dict[str, Any], stored: Stored | None) -> ResultSource | None:
+    """The tenant's succeeded job with the same result key, if its video is still stored. A video that is gone
+    (deleted, expired, a bucket that was reset) or that S3 cannot confirm now means a render, never a broken link."""
+    async with store.transaction() as conn:
         source = await store.result_source(conn, tenant_id=values["tenant_id"], result_key=values["result_key"])
-        if source is not None:
-            return await _insert_cached(store, conn, values, source)
+    if source is None or stored is None:
+        return source
+    key = source.output.get("output_key")
+    try:
+        if key and await stored(str(key)):
+            return source
+    except Exception as exc:  # S3 unreachable or refusing: render instead
+        log.warning("result cache: stored video not confirmed; rendering", extra={"error": repr(exc)[:200]})
+    return None
+
+
+async def _insert(
+    store: JobStore, conn: AsyncConnection[TupleRow], values: dict[str, Any], *, source: ResultSource | None
+) -> Job:
+    """Insert the new job in the caller's transaction: served from the result cache when ``source`` (a succeeded job
+    of the tenant with the same result key, its video still stored) is given, else queued (the caller sends it after
+    the commit)."""
+    if source is not None:
+        # Read again in this transaction: its clock stamps the new row (created = started = finished), and the
+        # source is the one whose video was confirmed.
+        current = await store.result_source(conn, tenant_id=values["tenant_id"], result_key=values["result_key"])
+        if current is not None and current.job_id == source.job_id:
+            return await _insert_cached(store, conn, values, current)
     return await store.insert(conn, values)
 
 

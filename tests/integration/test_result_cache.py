@@ -6,6 +6,7 @@ included."""
 from __future__ import annotations
 
 import hashlib
+import io
 import time
 import uuid
 from collections.abc import Iterator
@@ -24,6 +25,7 @@ from shared.models import JobTransition, Tenant
 from shared.queues import Queue
 from shared.schemas import JobCreate
 from shared.states import claim, succeed
+from shared.storage import Storage
 from shared.tenants import issue_key
 from tests.integration.helpers import TINY, db_job, queue_key, submit, sweeper, transitions, wait_job
 
@@ -78,7 +80,10 @@ def succeeded_without_rendering(settings: Settings, tenant_id: str, **body: Any)
             "output_frames": 9,
         }
         assert succeed(session, job.id, token=running.attempt, output=output) is not None
-        return str(job.id)
+    # The cache reuses a video only while it is stored: put a stand-in there.
+    storage = Storage(settings)
+    storage.client.put_object(storage.bucket, output["output_key"], io.BytesIO(b"not a video"), length=11)
+    return str(job.id)
 
 
 def test_an_identical_request_reuses_the_video_and_cache_false_renders_again(
@@ -140,6 +145,14 @@ def test_an_identical_request_reuses_the_video_and_cache_false_renders_again(
     assert (rendered["attempt"], rendered["result_of"]) == (1, None)
     assert transitions(settings, fresh["id"]) == [("queued", "running", 1), ("running", "succeeded", 1)]
     assert db_job(settings, fresh["id"]).output_key != source.output_key  # its own objects
+
+
+def test_a_source_whose_video_is_gone_is_not_reused(client, settings, tenant_key):
+    source = succeeded_without_rendering(settings, tenant_key["tenant_id"], seed=41)
+    storage = Storage(settings)
+    storage.client.remove_object(storage.bucket, db_job(settings, source).output_key)  # deleted, expired, reset
+    job = submit(client, seed=41)
+    assert (job["status"], job["result_of"]) == ("queued", None)  # rendered, never a link to nothing
 
 
 def test_another_render_parameter_or_another_tenant_never_matches(client, start_worker, api_url, settings):

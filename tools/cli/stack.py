@@ -138,6 +138,7 @@ def demo(
             "height": 256,
             "steps": 8,
             "seed": 7,
+            "cache": False,  # always a render: a demo shows the whole path, not a stored result
         }
         console.print("[yellow]model tiny-wan: a real diffusers WanPipeline with random weights — it renders noise[/]")
         job, path = submit_and_wait(

@@ -3,6 +3,7 @@ store's connection pool (the hot paths); cancel is sync, on a session in the thr
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from typing import Annotated
 
@@ -16,6 +17,7 @@ from shared.dispatch import after_transition_commit, send_committed
 from shared.presenters import present_job
 from shared.schemas import ERROR_RESPONSES, JobCreate, JobOut, JobPage
 from shared.states import JobStatus, request_cancel
+from shared.storage import Storage
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=ERROR_RESPONSES)
 
@@ -30,8 +32,13 @@ async def submit_job(
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
 ) -> JobOut:
     store: JobStore = request.app.state.store
+    storage: Storage = request.app.state.storage
+
+    async def stored(key: str) -> bool:  # the result cache reuses a video only while it is stored
+        return await asyncio.wait_for(asyncio.to_thread(storage.exists, key), settings.result_cache_check_timeout_s)
+
     job, created = await jobs_service.submit(
-        store, settings, tenant=tenant, body=body, idempotency_key=idempotency_key
+        store, settings, tenant=tenant, body=body, idempotency_key=idempotency_key, stored=stored
     )  # committed: the row and its idempotency key
     if created:
         # The message follows the commit: the video queue for a queued job; for one served from the result cache

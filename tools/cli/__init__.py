@@ -315,13 +315,18 @@ def cache_stats(
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     """Cluster-wide hit rates per tier in the last windows, and the prewarmer's mode."""
+    import redis
     from rich.console import Console
     from rich.table import Table
 
     from shared.config import get_settings
     from shared.textcache.stats import stats_for
 
-    data = stats_for(get_settings(), windows=windows)
+    try:
+        data = stats_for(get_settings(), windows=windows)
+    except redis.RedisError as exc:  # the counts live in the broker's Redis
+        typer.echo(f"the broker's Redis did not answer: {type(exc).__name__}: {exc}", err=True)
+        raise typer.Exit(code=1) from None
     if as_json:
         typer.echo(json.dumps(data))
         return

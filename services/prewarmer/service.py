@@ -39,7 +39,7 @@ from shared.render.text import EncoderIdentity, TextEncoder, build_text_encoder
 from shared.textcache.codec import pack
 from shared.textcache.factory import build_cache, control_client
 from shared.textcache.hierarchy import EmbeddingCache
-from shared.textcache.monitor import TIERS, HitRateMonitor, mode_key, read_windows
+from shared.textcache.monitor import RATES, HitRateMonitor, mode_key, read_windows
 from shared.textcache.queued import QueuedPrompts, peek_job_ids, queued_prompts
 from shared.textcache.remote import EncodeRequest, reply, take_request
 from shared.textcache.tiers import TierDown
@@ -196,10 +196,10 @@ class Prewarmer:
         )
         if windows:
             last = windows[-1]
-            for tier in (*TIERS, "overall"):
-                count = last.overall if tier == "overall" else last.tier(tier)
-                if count.rate is not None:
-                    HIT_RATE.labels(tier).set(count.rate)
+            for tier in RATES:
+                rate = last.tier(tier).rate
+                if rate is not None:
+                    HIT_RATE.labels(tier).set(rate)
         change = self.monitor.observe(windows)
         if change is not None:
             MODE_CHANGES.labels(change.mode).inc()
@@ -304,13 +304,7 @@ class Prewarmer:
             self._store({c.key: pack(c.key, r) for c, r in zip(items, rows, strict=True)})
 
     def _store(self, payloads: dict[str, bytes]) -> None:
-        for tier in (self.cache.l2, self.cache.l3):
-            if tier is None:
-                continue
-            try:
-                tier.put_many(payloads)
-            except TierDown:
-                continue
+        self.cache.store_shared(payloads, core=True)  # the prewarmer's keys are core: normal TTLs
         self._remember(payloads)
 
     def _remember(self, keys: Iterable[str]) -> None:

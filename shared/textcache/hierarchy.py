@@ -89,7 +89,8 @@ class EmbeddingCache:
         if missing:
             rows = encode([keys[k] for k in missing])
             fresh = dict(zip(missing, rows, strict=True))
-            self._write_through(fresh)
+            self._fill_l1(fresh)
+            self.store_shared({k: pack(k, v) for k, v in fresh.items()})
             found.update(fresh)
         return [found[identity.key(t)] for t in texts]
 
@@ -105,39 +106,37 @@ class EmbeddingCache:
             record("l1", "miss", len(keys) - len(found))
         missing = [k for k in keys if k not in found]
         if missing and self.l2 is not None:
-            hits = self._read(self.l2, identity, missing, record)
+            hits, _ = self._read(self.l2, identity, missing, record)
             found.update(hits)
-            if hits and self.l1 is not None:
-                for key, rows in hits.items():
-                    self.l1.put(key, rows)
-                if count:
-                    self._forward_prewarm()
+            self._fill_l1(hits)
+            if hits and self.l1 is not None and count:
+                self._forward_prewarm()
             missing = [k for k in missing if k not in hits]
         if missing and self.l3 is not None:
-            hits = self._read(self.l3, identity, missing, record)
+            hits, payloads = self._read(self.l3, identity, missing, record)
             found.update(hits)
-            if hits:
-                self._put_l2({k: pack(k, v) for k, v in hits.items()})
-                if self.l1 is not None:
-                    for key, rows in hits.items():
-                        self.l1.put(key, rows)
+            self._put_l2(payloads)  # the bytes L3 returned, checked: no second serialization
+            self._fill_l1(hits)
         return found
 
     def _read(
         self, tier: RedisTier, identity: EncoderIdentity, keys: list[str], record: Callable[[str, str, int], None]
-    ) -> dict[str, torch.Tensor]:
+    ) -> tuple[dict[str, torch.Tensor], dict[str, bytes]]:
+        """The entries of ``keys`` that ``tier`` holds and that pass their checks: as tensors, and as their bytes."""
         try:
             raw = tier.get_many(keys)
         except TierDown:
             record(tier.name, "error", len(keys))
-            return {}
+            return {}, {}
         hits: dict[str, torch.Tensor] = {}
+        payloads: dict[str, bytes] = {}
         corrupt = []
         for key, value in raw.items():
             try:
                 if value is None:
                     raise CorruptEntry("does not decompress")
                 hits[key] = unpack(value, key=key, identity=identity)
+                payloads[key] = value
             except CorruptEntry as exc:
                 corrupt.append(key)
                 log.warning("corrupt cache entry ignored", extra={"tier": tier.name, "key": key, "error": str(exc)})
@@ -147,25 +146,28 @@ class EmbeddingCache:
         if corrupt:
             with contextlib.suppress(TierDown):
                 tier.delete(corrupt)
-        return hits
+        return hits, payloads
 
-    def _write_through(self, fresh: dict[str, torch.Tensor]) -> None:
+    def _fill_l1(self, entries: dict[str, torch.Tensor]) -> None:
         if self.l1 is not None:
-            for key, rows in fresh.items():
+            for key, rows in entries.items():
                 self.l1.put(key, rows)
-        payloads = {k: pack(k, v) for k, v in fresh.items()}
-        self._put_l2(payloads)
-        if self.l3 is not None:
+
+    def store_shared(self, payloads: dict[str, bytes], *, core: bool = False) -> None:
+        """Write entries (codec.pack bytes) to L2 and L3; a tier that is down is skipped. ``core``: the prewarmer's
+        (queued jobs' and hottest prompts), which keep L2's normal TTL in compensation too."""
+        self._put_l2(payloads, core=core)
+        if self.l3 is not None and payloads:
             with contextlib.suppress(TierDown):
                 self.l3.put_many(payloads)
 
-    def _put_l2(self, payloads: dict[str, bytes]) -> None:
+    def _put_l2(self, payloads: dict[str, bytes], *, core: bool = False) -> None:
         if self.l2 is None or not payloads:
             return
         ttl: dict[str, int] = {}
-        if self.mode() == "compensating":
-            core = self.hot.core(list(payloads), core_keys=self.policy.core_keys) if self.control else set()
-            ttl = {k: self.policy.compensation_l2_ttl_s for k in payloads if k not in core}
+        if not core and self.mode() == "compensating":
+            hottest = self.hot.core(list(payloads), core_keys=self.policy.core_keys) if self.control else set()
+            ttl = {k: self.policy.compensation_l2_ttl_s for k in payloads if k not in hottest}
         with contextlib.suppress(TierDown):
             self.l2.put_many(payloads, ttl_s=ttl)
 

@@ -25,6 +25,7 @@ from prometheus_client import Counter as PromCounter
 log = logging.getLogger("vidq.cache")
 
 TIERS = ("l1", "l2", "l3")
+RATES = (*TIERS, "overall")  # what a window reports a rate for
 LOOKUPS = PromCounter(
     "vidq_embedding_cache_lookups",
     "Embedding lookups by tier and result (hit, miss, corrupt, error)",
@@ -65,6 +66,9 @@ class Window:
     tiers: dict[str, TierCount] = field(default_factory=dict)
 
     def tier(self, name: str) -> TierCount:
+        """One level's counts, or ``overall`` (see below)."""
+        if name == "overall":
+            return self.overall
         return self.tiers.get(name, TierCount())
 
     @property
@@ -207,7 +211,7 @@ class HitRateMonitor:
         return change
 
     def _judge(self, window: Window) -> ModeChange | None:
-        counts = {t: window.overall if t == "overall" else window.tier(t) for t in self.tiers}
+        counts = {t: window.tier(t) for t in self.tiers}
         judged = {t: c for t, c in counts.items() if c.lookups >= self.min_lookups}
         if not judged and window.overall.lookups < self.min_lookups:
             return None  # idle
@@ -242,18 +246,10 @@ def stats(client: redis.Redis, *, prefix: str, window_s: float, count: int) -> d
     def as_dict(c: TierCount) -> dict[str, Any]:
         return {"hits": c.hits, "misses": c.misses, "hit_rate": None if c.rate is None else round(c.rate, 4)}
 
-    totals = {t: TierCount(sum(w.tier(t).hits for w in windows), sum(w.tier(t).misses for w in windows)) for t in TIERS}
-    overall = TierCount(sum(w.overall.hits for w in windows), sum(w.overall.misses for w in windows))
+    totals = {t: TierCount(sum(w.tier(t).hits for w in windows), sum(w.tier(t).misses for w in windows)) for t in RATES}
     return {
         "window_s": window_s,
         "mode": mode,
-        "totals": {**{t: as_dict(c) for t, c in totals.items()}, "overall": as_dict(overall)},
-        "windows": [
-            {
-                "start": w.start,
-                **{t: as_dict(w.tier(t)) for t in TIERS},
-                "overall": as_dict(w.overall),
-            }
-            for w in windows
-        ],
+        "totals": {t: as_dict(c) for t, c in totals.items()},
+        "windows": [{"start": w.start, **{t: as_dict(w.tier(t)) for t in RATES}} for w in windows],
     }

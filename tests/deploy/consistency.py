@@ -200,6 +200,15 @@ class Stage:
     def all(self, keyword: str) -> list[Instruction]:
         return [i for i in self.instructions if i.keyword == keyword]
 
+    def env(self) -> dict[str, str]:
+        """The variables its ENV instructions set (``ENV A=1 B=2``), later ones winning."""
+        env: dict[str, str] = {}
+        for instruction in self.all("ENV"):
+            for word in shlex.split(instruction.value):
+                name, _, value = word.partition("=")
+                env[name] = value
+        return env
+
     def last(self, keyword: str) -> Instruction | None:
         found = self.all(keyword)
         return found[-1] if found else None

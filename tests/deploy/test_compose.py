@@ -179,12 +179,7 @@ def image_env(service: Mapping[str, Any]) -> dict[str, str]:
     parsed, target = found
     stage = parsed.stage(target)
     assert stage is not None
-    env: dict[str, str] = {}
-    for instruction in stage.all("ENV"):
-        for word in shlex.split(instruction.value):
-            name, _, value = word.partition("=")
-            env[name] = value
-    return env
+    return stage.env()
 
 
 def effective_env(service: Mapping[str, Any]) -> dict[str, str]:

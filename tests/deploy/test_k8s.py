@@ -11,7 +11,6 @@ import copy
 import hashlib
 import ipaddress
 import json
-import shlex
 import shutil
 import subprocess
 import sys
@@ -377,12 +376,7 @@ def image_env(image: str) -> dict[str, str]:
     """The ENV a torch image bakes in (VIDQ_DEVICE …): what a pod sees for a name nothing else sets."""
     stage = parse_dockerfile(REPO_ROOT / "docker" / "worker.Dockerfile").stage(IMAGE_STAGES[image.rsplit(":", 1)[0]])
     assert stage is not None
-    env: dict[str, str] = {}
-    for instruction in stage.all("ENV"):
-        for word in shlex.split(instruction.value):
-            name, _, value = word.partition("=")
-            env[name] = value
-    return env
+    return stage.env()
 
 
 def container_settings(target: str, container: Obj) -> Any:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from celery.exceptions import SoftTimeLimitExceeded
-from minio.error import S3Error
+from minio.error import InvalidResponseError, S3Error, ServerError
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session
@@ -256,10 +256,16 @@ def _fail(
 
 
 def s3_unreachable(exc: BaseException) -> bool:
-    """S3 down, throttling or failing on its side (worth waiting for), not a refused request (bad credentials…)."""
+    """S3 down, throttling or failing on its side (worth waiting for), not a refused request (bad credentials…).
+    A 5xx without an S3 error document (a proxy or load balancer in front of S3 answering for it, a gateway
+    timeout) is minio's ServerError or InvalidResponseError: as much an outage as a connection refused."""
     if isinstance(exc, S3Error):
         status = getattr(exc.response, "status", 0) or 0
         return status >= 500 or exc.code in {"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout"}
+    if isinstance(exc, ServerError):
+        return exc.status_code >= 500
+    if isinstance(exc, InvalidResponseError):
+        return (getattr(exc, "_code", 0) or 0) >= 500
     return isinstance(exc, Urllib3Error | ConnectionError | TimeoutError)
 
 

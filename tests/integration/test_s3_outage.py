@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from shared.db import session_scope
+from shared.models import JobTransition
 from tests.integration.helpers import SLOW, free_port, submit, transitions, wait_job
 from tools.processes import ProcessGroup, vidq_argv, wait_for_log
 
@@ -93,6 +95,15 @@ def test_upload_waits_out_an_s3_outage_and_succeeds_at_attempt_1(client, setting
     time.sleep(3)  # the upload meets the outage and retries
     worker_behind_proxy.restore()
     finished = wait_job(client, job["id"], {"succeeded", "failed"}, timeout_s=120)
-    assert finished["status"] == "succeeded", finished["error"]
-    assert finished["attempt"] == 1
+    history = _history(settings, job["id"])  # with each transition's reason: why an attempt ended, if one did
+    assert finished["status"] == "succeeded", (finished["error"], history)
+    assert finished["attempt"] == 1, history
     assert [t for t in transitions(settings, job["id"]) if t[1] == "running"] == [("queued", "running", 1)]
+
+
+def _history(settings, job_id: str) -> list[tuple[str | None, str, int, str]]:
+    import uuid
+
+    with session_scope(settings) as session:
+        rows = session.query(JobTransition).filter_by(job_id=uuid.UUID(job_id)).order_by(JobTransition.id)
+        return [(r.from_status, r.to_status, r.attempt, r.reason) for r in rows]

@@ -26,6 +26,7 @@ class CuttableProxy:
         self._open: list[socket.socket] = []
         self._listener: socket.socket | None = None
         self._lock = threading.Lock()
+        self.group: ProcessGroup | None = None  # the processes behind it, whose logs the test reads
         self.restore()
 
     def restore(self) -> None:
@@ -36,6 +37,10 @@ class CuttableProxy:
     def cut(self) -> None:
         with self._lock:
             if self._listener is not None:
+                # shutdown first: a close alone leaves the accept() blocked in the other thread holding the
+                # listening socket open, and the next connection would still be accepted and forwarded.
+                with contextlib.suppress(OSError):
+                    self._listener.shutdown(socket.SHUT_RDWR)
                 self._listener.close()
                 self._listener = None
             for s in self._open:
@@ -81,6 +86,7 @@ def worker_behind_proxy(procs: ProcessGroup, tmp_path: Path) -> Iterator[Cuttabl
     group = ProcessGroup(env=env, log_dir=tmp_path)
     group.start("worker-s3", vidq_argv("worker", "--role", "video", "--name", f"s3-{proxy.port}"))
     wait_for_log(group, "worker-s3", "pipeline loaded", timeout_s=120)
+    proxy.group = group
     yield proxy
     group.stop_all(timeout_s=15)
     proxy.cut()
@@ -92,7 +98,10 @@ def test_upload_waits_out_an_s3_outage_and_succeeds_at_attempt_1(client, setting
     worker_behind_proxy.cut()  # S3 gone before the render reaches its upload
     done_rendering = wait_job(client, job["id"], {"running"}, min_step=SLOW["steps"], timeout_s=120)
     assert done_rendering["status"] == "running"
-    time.sleep(3)  # the upload meets the outage and retries
+    assert worker_behind_proxy.group is not None
+    # The upload really meets the outage (no connection slips through) and is retried, not failed.
+    wait_for_log(worker_behind_proxy.group, "worker-s3", "S3 unreachable at upload; retrying", timeout_s=60)
+    time.sleep(1)
     worker_behind_proxy.restore()
     finished = wait_job(client, job["id"], {"succeeded", "failed"}, timeout_s=120)
     history = _history(settings, job["id"])  # with each transition's reason: why an attempt ended, if one did

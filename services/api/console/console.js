@@ -11,6 +11,7 @@ const FORM_FIELDS = [
 ];
 
 const $ = (id) => document.getElementById(id);
+const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
 
 const state = {
   key: null,
@@ -18,6 +19,7 @@ const state = {
   selected: null, // the job shown in the detail panel
   stream: null, // AbortController of its progress stream
   webhookTimer: null,
+  webhookLooks: 0, // how often the deliveries of the selected job were looked at without a settled answer
   cards: new Map(), // job id → its card in the list
 };
 
@@ -180,6 +182,13 @@ async function submitJob(event) {
     showFormError(new ApiError(0, { message: "paste an API key first (top right)" }));
     return;
   }
+  // The API validates everything it receives; only what a number field cannot even hand over is caught here.
+  const unreadable = FORM_FIELDS.filter((name) => $(`f-${name}`).validity.badInput);
+  if (unreadable.length) {
+    const details = unreadable.map((name) => ({ loc: ["body", name], msg: "not a number" }));
+    showFormError(new ApiError(0, { message: "some fields do not hold a number", details }));
+    return;
+  }
   const button = $("submit-job");
   button.disabled = true;
   try {
@@ -291,6 +300,7 @@ function stopWatching() {
   state.stream = null;
   clearTimeout(state.webhookTimer);
   state.webhookTimer = null;
+  state.webhookLooks = 0;
 }
 
 function clearDetail() {
@@ -469,9 +479,10 @@ async function watch(id) {
           }
         }
       }
+      await sleep(500); // ended without the final event (the API's stream deadline): open it again
     } catch (err) {
       if (controller.signal.aborted) return;
-      await new Promise((resolve) => setTimeout(resolve, delay));
+      await sleep(delay);
       delay = Math.min(delay * 2, 15000);
     }
   }
@@ -517,10 +528,14 @@ async function loadWebhooks() {
   );
   $("webhook-empty").textContent = TERMINAL.has(job.status) ? "No delivery attempt yet." : "Sent when the job finishes.";
   $("webhook-empty").hidden = rows.length > 0;
-  // Look again while a delivery is still to come: none yet for a finished job, or a retry planned.
+  // Look again while a delivery is still to come: none yet for a finished job (2 s, backing off to a minute), or a
+  // retry planned (just after it is due; the schedule reaches hours).
   const latest = rows[rows.length - 1];
-  const pending = TERMINAL.has(job.status) && (!latest || (!latest.ok && latest.next_attempt_at));
-  if (pending) state.webhookTimer = setTimeout(loadWebhooks, 2000);
+  if (!TERMINAL.has(job.status) || (latest && (latest.ok || !latest.next_attempt_at))) return;
+  state.webhookLooks += 1;
+  let delay = Math.min(2000 * 1.5 ** (state.webhookLooks - 1), 60000);
+  if (latest) delay = Math.max(2000, Date.parse(latest.next_attempt_at) - Date.now() + 1000);
+  state.webhookTimer = setTimeout(loadWebhooks, delay);
 }
 
 // ---- wiring ---------------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import pytest
 
 from shared.db import session_scope
 from shared.tenants import issue_key
-from tests.integration.helpers import submit, wait_job
+from tests.integration.helpers import SLOW, submit, wait_job
 
 try:
     from playwright import sync_api
@@ -208,6 +208,21 @@ def test_submit_watch_play_list_and_webhooks(page, browser, api_url, client, sta
         assert stranger.locator(".job-card").count() == 0
     finally:
         context.close()
+
+
+def test_cancel_stops_a_running_job(page, api_url, client, start_worker):
+    start_worker("video")
+    _open_with_key(page, api_url, client.headers["Authorization"].removeprefix("Bearer "))
+    sync_api.expect(page.locator("#key-status")).to_have_text("Key accepted.")
+    _fill_form(page, prompt="a slow sunrise over the sea", **SLOW)
+    page.get_by_role("button", name="Generate").click()
+    sync_api.expect(page.locator("#job-status")).to_have_text("running", timeout=WAIT_MS)
+    page.get_by_role("button", name="Cancel", exact=True).click()
+    sync_api.expect(page.locator("#job-status")).to_have_text("cancelled", timeout=WAIT_MS)
+    sync_api.expect(page.get_by_role("button", name="Cancel", exact=True)).to_be_hidden()
+    sync_api.expect(page.locator("#job-video")).to_be_hidden()
+    job = client.get(f"/v1/jobs/{page.locator('#job-id').text_content()}").json()
+    assert job["status"] == "cancelled" and job["progress"]["step"] < SLOW["steps"]
 
 
 def test_the_job_list_pages_with_load_more(page, api_url, client):

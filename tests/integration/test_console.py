@@ -93,7 +93,9 @@ def test_console_is_served_offline_with_a_strict_policy(api_url):
     # Everything the page loads comes from /console/ on this origin: no CDN, no web font.
     refs = re.findall(r'(?:src|href)="([^"]*)"', page.text)
     assert refs and all(ref.startswith("/console/") for ref in refs), refs
-    for name, media in (("console.js", "text/javascript"), ("console.css", "text/css"), ("icon.svg", "image/svg")):
+    scripts = ["console.js", "api.js", "form.js", "views.js"]
+    assets = [(name, "text/javascript") for name in scripts] + [("console.css", "text/css"), ("icon.svg", "image/svg")]
+    for name, media in assets:
         asset = httpx.get(f"{api_url}/console/{name}", timeout=10)
         assert asset.status_code == 200 and asset.headers["content-type"].startswith(media)
         assert "@import" not in asset.text and "url(" not in asset.text

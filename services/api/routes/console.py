@@ -24,7 +24,10 @@ CONSOLE_DIR = Path(__file__).resolve().parent.parent / "console"
 # The only files served: a fixed list, so no request path ever reaches the file system.
 ASSETS = {
     "console.css": "text/css; charset=utf-8",
-    "console.js": "text/javascript; charset=utf-8",
+    "console.js": "text/javascript; charset=utf-8",  # the page's state and flow (an ES module)
+    "api.js": "text/javascript; charset=utf-8",  # requests and progress streams
+    "form.js": "text/javascript; charset=utf-8",  # the submit form and its errors
+    "views.js": "text/javascript; charset=utf-8",  # rendering
     "icon.svg": "image/svg+xml",
 }
 

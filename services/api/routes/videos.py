@@ -19,25 +19,30 @@ from services.api.deps import SessionDep, SettingsDep, TenantDep
 from services.api.metrics import RESULT_CACHE_HITS, SUBMITS
 from services.api.store import JobStore
 from shared.dispatch import send_committed
-from shared.errors import InvalidRequest, NotFound
+from shared.errors import InvalidRequest, NotFound, UnsupportedMediaType
 from shared.models import ApiFlavour
 from shared.openai_videos import OpenAIErrorBody, Video, VideoDeleted, VideoPage, job_id_of, present_video
 from shared.openai_videos import video_id as id_of_job
 from shared.schemas import JobCreate
 from shared.storage import Storage
 
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    status: {"model": OpenAIErrorBody, "description": text}
-    for status, text in [
-        (400, "invalid request (OpenAI's status for it; /v1/jobs answers 422)"),
+
+def _errors(*statuses: tuple[int | str, str]) -> dict[int | str, dict[str, Any]]:
+    return {status: {"model": OpenAIErrorBody, "description": text} for status, text in statuses}
+
+
+# "4XX" also keeps FastAPI from documenting its 422: an invalid request is a 400 here (OpenAI's status for it).
+router = APIRouter(
+    prefix="/v1/videos",
+    tags=["videos (OpenAI-compatible)"],
+    responses=_errors(
+        (400, "invalid request"),
         (401, "missing or invalid API key"),
         (404, "no such video for this tenant"),
-        (409, "the video's state does not allow this"),
-        (415, "the body is neither JSON nor a form"),
+        ("4XX", "another client error (405 for a method the route has not)"),
         (503, "a backing service is unavailable or the API is at capacity; retry after Retry-After"),
-    ]
-}
-router = APIRouter(prefix="/v1/videos", tags=["videos (OpenAI-compatible)"], responses=_ERRORS)
+    ),
+)
 
 _JOB_FIELDS = JobCreate.model_json_schema()["properties"]
 _CREATE_SCHEMA = {
@@ -83,12 +88,13 @@ async def _params(request: Request) -> dict[str, Any]:
         if not isinstance(params, dict):
             raise InvalidRequest("the body must be a JSON object", details={"param": None})
         return params
-    raise InvalidRequest("send multipart/form-data or application/json", details={"param": None})
+    raise UnsupportedMediaType("send multipart/form-data or application/json", details={"param": None})
 
 
 @router.post(
     "",
     response_model=Video,
+    responses=_errors((415, "the body is neither JSON nor a form")),
     openapi_extra={
         "requestBody": {
             "required": True,
@@ -185,6 +191,7 @@ def delete_video(video_id: str, request: Request, session: SessionDep, tenant: T
     "/{video_id}/content",
     response_class=StreamingResponse,
     responses={
+        **_errors((409, "the video is not completed yet")),
         200: {
             "description": "the MP4 (variant=video) or its JPEG poster (variant=thumbnail)",
             "content": {

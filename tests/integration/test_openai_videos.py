@@ -24,6 +24,9 @@ from tests.integration.helpers import db_job, transitions
 # 9 frames of 64×64 at 4 steps: well under a second of rendering with tiny-wan on this CPU.
 FAST: dict[str, Any] = {"size": "64x64", "seconds": "1"}
 FAST_EXTRA: dict[str, Any] = {"steps": 4, "fps": 8, "seed": 3}
+# helpers.SLOW as OpenAI parameters: long enough on this CPU that a delete lands mid-render.
+SLOW_VIDEO: dict[str, Any] = {"size": "128x128", "seconds": "2"}
+SLOW_EXTRA: dict[str, Any] = {"steps": 60, "fps": 8}
 
 
 def sdk(api_url: str, key: str) -> openai.OpenAI:
@@ -179,14 +182,42 @@ def test_delete_cancels_a_queued_job_and_hides_it_everywhere(videos, client, set
     assert client.post(f"/v1/jobs/{job_id(video.id)}/cancel").status_code == 404
 
 
-def test_a_cancelled_job_is_a_failed_video_and_content_waits_for_completion(videos, client):
-    video = videos.videos.create(prompt="never rendered", **FAST, extra_body=FAST_EXTRA)
+def test_delete_stops_a_running_job_at_its_next_step(videos, client, start_worker, settings):
+    start_worker("video")
+    video = videos.videos.create(prompt="a long render", **SLOW_VIDEO, extra_body=SLOW_EXTRA)
+    deadline = time.monotonic() + 60
+    while (seen := videos.videos.retrieve(video.id)).progress == 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert seen.status == "in_progress" and seen.progress > 0, seen
+    videos.videos.delete(video.id)
+    with pytest.raises(openai.NotFoundError):
+        videos.videos.retrieve(video.id)
+    deadline = time.monotonic() + 60
+    while db_job(settings, job_id(video.id)).status == "running" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    stopped = db_job(settings, job_id(video.id))
+    assert stopped.status == "cancelled" and stopped.progress_step < SLOW_EXTRA["steps"]
+    assert transitions(settings, job_id(video.id))[-1] == ("running", "cancelled", 1)
+
+
+def test_a_cancelled_job_is_a_failed_video_with_a_video_failed_webhook(
+    videos, client, start_worker, receiver, tenant_key
+):
+    video = videos.videos.create(
+        prompt="never rendered", **FAST, extra_body={**FAST_EXTRA, "webhook_url": receiver.url}
+    )
     with pytest.raises(openai.ConflictError):
         videos.videos.download_content(video.id)  # not completed yet
     assert client.post(f"/v1/jobs/{job_id(video.id)}/cancel").status_code == 202
     failed = videos.videos.retrieve(video.id)
     assert failed.status == "failed" and failed.error is not None and failed.error.code == "cancelled"
     assert failed.completed_at is not None
+
+    start_worker("webhooks")
+    assert receiver.event.wait(30), "no webhook received"
+    request = receiver.requests[0]
+    event = videos.webhooks.unwrap(request["body"], request["headers"], secret=tenant_key["webhook_secret"])
+    assert (event.type, event.data.id, event.created_at) == ("video.failed", video.id, failed.completed_at)
 
 
 @pytest.mark.parametrize(

@@ -48,6 +48,7 @@ _JOB_FIELDS = JobCreate.model_json_schema()["properties"]
 _CREATE_SCHEMA = {
     "type": "object",
     "required": ["prompt"],
+    "additionalProperties": False,  # any other parameter is a 400
     "properties": {
         "prompt": {"type": "string", "minLength": 1},
         "model": {"type": "string", "description": "sora-2 or sora-2-pro (vidq's default model), or a vidq model"},
@@ -198,7 +199,7 @@ def delete_video(video_id: str, request: Request, session: SessionDep, tenant: T
                 "video/mp4": {"schema": {"type": "string", "format": "binary"}},
                 "image/jpeg": {"schema": {"type": "string", "format": "binary"}},
             },
-        }
+        },
     },
 )
 async def download_content(

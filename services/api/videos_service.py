@@ -141,7 +141,10 @@ def delete(session: Session, celery: VidqCelery, *, tenant_id: uuid.UUID, job_id
     """Delete a video (the caller commits): a queued job is cancelled at once, a running one stops at its next step
     (the state machine's cancel, as ``POST /v1/jobs/{id}/cancel``); then the job answers 404 and leaves both APIs'
     lists. Its S3 objects stay: jobs served from the result cache may share them (``jobs.result_of``)."""
-    job = jobs_service.get_job(session, tenant_id=tenant_id, job_id=job_id)  # 404: another tenant's, or deleted
+    try:
+        job = jobs_service.get_job(session, tenant_id=tenant_id, job_id=job_id)
+    except NotFound:  # another tenant's, or deleted already
+        raise NotFound("video not found") from None
     if not JobStatus(job.status).is_terminal():
         try:
             job = request_cancel(session, job_id, tenant_id=tenant_id)

@@ -15,12 +15,12 @@ from fastapi.responses import StreamingResponse
 from starlette.datastructures import UploadFile
 
 from services.api import jobs_service, videos_service
-from services.api.deps import SessionDep, SettingsDep, TenantDep
+from services.api.deps import Caller, SessionDep, SettingsDep, TenantDep
 from services.api.metrics import RESULT_CACHE_HITS, SUBMITS
 from services.api.store import JobStore
 from shared.dispatch import send_committed
 from shared.errors import InvalidRequest, NotFound, UnsupportedMediaType
-from shared.models import ApiFlavour
+from shared.models import ApiFlavour, Job
 from shared.openai_videos import OpenAIErrorBody, Video, VideoDeleted, VideoPage, job_id_of, present_video
 from shared.openai_videos import video_id as id_of_job
 from shared.schemas import JobCreate
@@ -171,11 +171,17 @@ def _job_id(video: str) -> uuid.UUID:
     return job_id
 
 
+async def _read(request: Request, tenant: Caller, video: str) -> Job:
+    try:
+        return await jobs_service.read(request.app.state.store, tenant_id=tenant.id, job_id=_job_id(video))
+    except NotFound:  # jobs_service says "job"; this API speaks of videos
+        raise NotFound("video not found") from None
+
+
 @router.get("/{video_id}", response_model=Video)
 async def retrieve_video(video_id: str, request: Request, tenant: TenantDep) -> Video:
     """``client.videos.retrieve`` (and ``poll``): the video's status and progress."""
-    job = await jobs_service.read(request.app.state.store, tenant_id=tenant.id, job_id=_job_id(video_id))
-    return present_video(job)
+    return present_video(await _read(request, tenant, video_id))
 
 
 @router.delete("/{video_id}", response_model=VideoDeleted)
@@ -209,7 +215,7 @@ async def download_content(
     variant: Literal["video", "thumbnail", "spritesheet"] = "video",
 ) -> StreamingResponse:
     """``client.videos.download_content``: the stored bytes, streamed from S3. ``spritesheet`` is a 400."""
-    job = await jobs_service.read(request.app.state.store, tenant_id=tenant.id, job_id=_job_id(video_id))
+    job = await _read(request, tenant, video_id)
     key, media_type = videos_service.stored_file(job, variant)
     body = await asyncio.to_thread(videos_service.open_stored, request.app.state.storage, key)
     name = f"{id_of_job(job.id)}.{'jpg' if variant == 'thumbnail' else 'mp4'}"

@@ -15,11 +15,16 @@ import httpx
 import openai
 import pytest
 
+from services.api.deps import Caller
+from services.api.jobs_service import create_job
 from shared.db import session_scope
 from shared.render.video import probe
+from shared.schemas import JobCreate
+from shared.states import claim, succeed
 from shared.storage import Storage
 from shared.tenants import issue_key
-from tests.integration.helpers import db_job, transitions
+from tests.integration.helpers import TINY, db_job, free_port, transitions
+from tools.processes import ProcessGroup, vidq_argv, wait_http
 
 # 9 frames of 64×64 at 4 steps: well under a second of rendering with tiny-wan on this CPU.
 FAST: dict[str, Any] = {"size": "64x64", "seconds": "1"}
@@ -263,3 +268,43 @@ def test_every_error_of_the_videos_api_has_openais_shape_and_jobs_keep_theirs(ap
     # /v1/jobs keeps vidq's envelope and its 422.
     r = client.post("/v1/jobs", json={"prompt": "x", "width": 65, "height": 64})
     assert r.status_code == 422 and set(r.json()["error"]) == {"code", "message", "details"}
+
+
+def _succeeded_without_files(settings: Any, tenant_key: dict[str, str]) -> str:
+    """A job finished in Postgres whose video was never stored (as after a bucket reset): its video id."""
+    tenant = Caller(id=uuid.UUID(tenant_key["tenant_id"]), name=tenant_key["tenant_name"])
+    with session_scope(settings) as session:
+        job = create_job(session, settings, tenant=tenant, body=JobCreate(**TINY))
+        running = claim(session, job.id, worker_id="test", lease_s=30)
+        assert running is not None
+        output = {"output_key": f"videos/{tenant.id}/{job.id}.mp4", "output_bytes": 1, "output_sha256": "0" * 64}
+        assert succeed(session, job.id, token=running.attempt, output=output) is not None
+        return f"video_{job.id.hex}"
+
+
+@pytest.fixture
+def api_without_s3(procs: ProcessGroup, tmp_path: Any) -> Iterator[str]:
+    """An API whose S3 is gone (nothing listens on its port)."""
+    port = free_port()
+    group = ProcessGroup(env={**procs.env, "VIDQ_S3_ENDPOINT": f"127.0.0.1:{free_port()}"}, log_dir=tmp_path)
+    group.start("api-nos3", vidq_argv("api", "--no-migrate", "--port", str(port)))
+    url = f"http://127.0.0.1:{port}"
+    wait_http(f"{url}/healthz", timeout_s=60, group=group)
+    yield url
+    group.stop_all(timeout_s=10)
+
+
+def test_content_of_a_file_gone_from_s3_is_404_and_s3_down_is_503(videos, api_without_s3, settings, tenant_key):
+    video = _succeeded_without_files(settings, tenant_key)
+    assert videos.videos.retrieve(video).status == "completed"
+    with pytest.raises(openai.NotFoundError) as gone:
+        videos.videos.download_content(video)
+    assert "no longer stored" in gone.value.message
+
+    with sdk(api_without_s3, tenant_key["api_key"]) as cut_off:
+        with pytest.raises(openai.InternalServerError) as down:
+            cut_off.videos.download_content(video)
+        assert cut_off.videos.retrieve(video).status == "completed"  # reads need no S3
+    assert down.value.status_code == 503 and int(down.value.response.headers["retry-after"]) >= 1
+    error = down.value.response.json()["error"]
+    assert (error["type"], error["code"]) == ("server_error", "unavailable")

@@ -142,6 +142,12 @@ def test_json_create_maps_parameters_and_retrieve_follows_the_job(videos, api_ur
     # The bare job id names the same video.
     assert videos.videos.retrieve(job_id(video.id)).id == video.id
 
+    # Idempotency-Key as on /v1/jobs (the SDK sends it through extra_headers).
+    once = {"prompt": "the same request", **FAST, "extra_body": FAST_EXTRA, "extra_headers": {"Idempotency-Key": "k-1"}}
+    first = videos.videos.with_raw_response.create(**once)
+    again = videos.videos.with_raw_response.create(**once)
+    assert first.parse().id == again.parse().id and again.headers["idempotent-replayed"] == "true"
+
 
 def test_list_pages_with_after_limit_and_order_and_shows_one_tenant_only(videos, other_tenant, client):
     ids = [videos.videos.create(prompt=f"clip {i}", **FAST, extra_body=FAST_EXTRA).id for i in range(5)]

@@ -25,6 +25,11 @@ class InvalidRequest(VidqError):
     code = "invalid_request"
 
 
+class UnsupportedMediaType(VidqError):
+    status_code = 415
+    code = "unsupported_media_type"
+
+
 class Unauthorized(VidqError):
     status_code = 401
     code = "unauthorized"

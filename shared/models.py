@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import uuid
 from datetime import datetime
 from typing import Any
@@ -50,6 +51,13 @@ class ApiKey(Base):
     name: Mapped[str] = mapped_column(String(200), default="")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class ApiFlavour(enum.StrEnum):
+    """Which API created a job (``jobs.api_flavour``): it decides the shape of the job's webhook only."""
+
+    VIDQ = "vidq"  # POST /v1/jobs
+    OPENAI = "openai"  # POST /v1/videos (OpenAI's videos API)
 
 
 class Job(Base):
@@ -146,6 +154,12 @@ class Job(Base):
     # instead of rendering, null when it rendered its own.
     result_key: Mapped[str | None] = mapped_column(String(64))
     result_of: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("jobs.id", ondelete="SET NULL"))
+
+    # Which API created the job (migrations/versions/0005). The database's default is 'vidq' too; here the default
+    # stays on the Python side, because the API's async store inserts only the columns without a server default.
+    api_flavour: Mapped[str] = mapped_column(String(16), default=ApiFlavour.VIDQ.value)
+    # DELETE /v1/videos/{id}: the job answers 404 and leaves every list from then on (its S3 objects stay).
+    deleted_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
 
 class JobTransition(Base):

@@ -265,7 +265,7 @@ def request_cancel(session: Session, job_id: uuid.UUID, *, tenant_id: uuid.UUID)
     """A queued job is cancelled at once (it will never run); a running one is flagged and the worker stops it
     at the next denoising step. A finished job cannot be cancelled (409)."""
     job = session.execute(
-        select(Job).where(Job.id == job_id, Job.tenant_id == tenant_id).with_for_update()
+        select(Job).where(Job.id == job_id, Job.tenant_id == tenant_id, Job.deleted_at.is_(None)).with_for_update()
     ).scalar_one_or_none()
     if job is None:
         raise NotFound("job not found")

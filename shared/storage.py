@@ -12,6 +12,7 @@ from pathlib import Path
 import urllib3
 from minio import Minio
 from minio.error import S3Error
+from urllib3 import BaseHTTPResponse
 
 from shared.config import Settings
 
@@ -73,6 +74,8 @@ def make_client(settings: Settings, *, public: bool = False) -> Minio:
     )
 
 
+# What S3 answers for an object that is not there.
+_MISSING = frozenset({"NoSuchKey", "NoSuchObject", "NotFound", "NoSuchBucket"})
 # What S3 answers when the bucket exists already: AWS says which, other servers may say either.
 _BUCKET_EXISTS = frozenset({"BucketAlreadyOwnedByYou", "BucketAlreadyExists"})
 
@@ -128,10 +131,20 @@ class Storage:
         try:
             self.client.stat_object(self.bucket, key)
         except S3Error as exc:
-            if exc.code in {"NoSuchKey", "NoSuchObject", "NotFound", "NoSuchBucket"}:
+            if exc.code in _MISSING:
                 return False
             raise
         return True
+
+    def open(self, key: str) -> BaseHTTPResponse | None:
+        """The stored object's body, not read yet (stream it, then ``close()`` and ``release_conn()``), or None when
+        it is not stored. Each read of the stream has the client's timeout; S3 errors of any other kind raise."""
+        try:
+            return self.client.get_object(self.bucket, key)
+        except S3Error as exc:
+            if exc.code in _MISSING:
+                return None
+            raise
 
     def upload(self, key: str, path: Path, *, content_type: str) -> StoredObject:
         digest = hashlib.sha256(path.read_bytes()).hexdigest()

@@ -17,6 +17,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from services.api.error_handlers import error_body
 from services.api.metrics import ERRORS, INFLIGHT, SHED
 from shared.config import Settings
 
@@ -42,7 +43,7 @@ class AdmissionLimit:
             await asyncio.wait_for(self._slots.acquire(), timeout=self.queue_timeout_s)
         except TimeoutError:
             SHED.inc()
-            await self._refuse(send, waited_s=time.monotonic() - queued)
+            await self._refuse(send, path=scope["path"], waited_s=time.monotonic() - queued)
             return
         INFLIGHT.inc()
         try:
@@ -51,15 +52,15 @@ class AdmissionLimit:
             INFLIGHT.dec()
             self._slots.release()
 
-    async def _refuse(self, send: Send, *, waited_s: float) -> None:
+    async def _refuse(self, send: Send, *, path: str, waited_s: float) -> None:
         ERRORS.labels("overloaded", "503").inc()
-        body = {
-            "error": {
-                "code": "overloaded",
-                "message": "the API is at capacity; retry after the given seconds",
-                "details": {"in_flight": self.limit, "waited_s": round(waited_s, 3)},
-            }
-        }
+        _, body = error_body(  # vidq's envelope, or OpenAI's shape under /v1/videos
+            path,
+            503,
+            "overloaded",
+            "the API is at capacity; retry after the given seconds",
+            {"in_flight": self.limit, "waited_s": round(waited_s, 3)},
+        )
         headers: list[tuple[bytes, bytes]] = [
             (b"content-type", b"application/json"),
             (b"retry-after", str(self.retry_after_s).encode()),

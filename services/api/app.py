@@ -13,7 +13,7 @@ from services.api.admission import AdmissionLimit, admission_kwargs
 from services.api.deps import KeyCache
 from services.api.error_handlers import install_error_handlers
 from services.api.metrics import RequestTiming
-from services.api.routes import admin, console, events, health, jobs, webhooks
+from services.api.routes import admin, console, events, health, jobs, videos, webhooks
 from services.api.store import JobStore
 from services.sweeper.sweeper import Sweeper
 from shared.celery_app import make_celery
@@ -70,6 +70,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(webhooks.router)
     app.include_router(admin.router)
     app.include_router(console.router)
+    app.include_router(videos.router)  # OpenAI's videos API over the same jobs
 
     install_error_handlers(app, retry_after_s=settings.api_retry_after_s)
     app.add_middleware(AdmissionLimit, **admission_kwargs(settings))

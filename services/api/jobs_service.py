@@ -28,7 +28,7 @@ from sqlalchemy.orm import Session
 from services.api.store import JobStore, ResultSource
 from shared.config import Settings
 from shared.errors import Conflict, IdempotencyKeyReused, InvalidRequest, NotFound
-from shared.models import Job
+from shared.models import ApiFlavour, Job
 from shared.schemas import JobCreate
 from shared.scoring import score_job
 from shared.spec import GenerationSpec
@@ -40,9 +40,17 @@ if TYPE_CHECKING:
     from services.api.deps import Caller
 
 
-def job_values(settings: Settings, *, tenant_id: uuid.UUID, body: JobCreate, spec: GenerationSpec) -> dict[str, Any]:
+def job_values(
+    settings: Settings,
+    *,
+    tenant_id: uuid.UUID,
+    body: JobCreate,
+    spec: GenerationSpec,
+    flavour: ApiFlavour = ApiFlavour.VIDQ,
+) -> dict[str, Any]:
     """A new job's row (attribute names of ``Job``): queued, scored, with its resolved spec and its result key (every
-    job has one, whether or not its request used the cache, so that later identical requests can match it)."""
+    job has one, whether or not its request used the cache, so that later identical requests can match it), and the
+    API it came through (``flavour``: the shape of its webhook)."""
     score = score_job(settings, prompt=spec.prompt, width=spec.width, height=spec.height, duration_s=body.duration_s)
     return {
         "id": uuid.uuid4(),
@@ -62,6 +70,7 @@ def job_values(settings: Settings, *, tenant_id: uuid.UUID, body: JobCreate, spe
         "attempt": 0,
         "max_attempts": settings.max_attempts,
         "timings": {},
+        "api_flavour": flavour.value,
     }
 
 
@@ -87,13 +96,15 @@ async def submit(
     body: JobCreate,
     idempotency_key: str | None,
     stored: Stored | None = None,
+    flavour: ApiFlavour = ApiFlavour.VIDQ,
 ) -> tuple[Job, bool]:
     """Returns (job, created), committed. With an Idempotency-Key, the same key and body return the first job; the
-    same key with another body is refused. The key row and the job row commit together, in one transaction."""
+    same key with another body is refused. The key row and the job row commit together, in one transaction.
+    ``flavour``: the API the request came through (``/v1/jobs`` or ``/v1/videos``)."""
     spec = body.to_spec(settings)  # a body over the caps is refused before anything is looked up or written
     if idempotency_key is not None and not 1 <= len(idempotency_key) <= 200:
         raise InvalidRequest("Idempotency-Key must be 1..200 characters")
-    values = job_values(settings, tenant_id=tenant.id, body=body, spec=spec)
+    values = job_values(settings, tenant_id=tenant.id, body=body, spec=spec, flavour=flavour)
     # The result-cache candidate is checked before the insert's transaction (no connection held across an S3 call).
     source = await _reusable_source(store, values, stored) if body.cache else None
     if idempotency_key is None:
@@ -203,7 +214,9 @@ async def read(store: JobStore, *, tenant_id: uuid.UUID, job_id: uuid.UUID) -> J
 
 def get_job(session: Session, *, tenant_id: uuid.UUID, job_id: uuid.UUID) -> Job:
     """``read`` for code that holds a session (cancel, the webhook log)."""
-    job = session.execute(select(Job).where(Job.id == job_id, Job.tenant_id == tenant_id)).scalar_one_or_none()
+    job = session.execute(
+        select(Job).where(Job.id == job_id, Job.tenant_id == tenant_id, Job.deleted_at.is_(None))
+    ).scalar_one_or_none()
     if job is None:
         raise NotFound("job not found")
     return job

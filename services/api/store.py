@@ -46,7 +46,16 @@ def _sql(statement: ClauseElement) -> str:
 
 
 _INSERT_JOB = _sql(insert(_JOBS).values({col: bindparam(col) for col, _ in _INSERTED}).returning(*_JOBS.columns))
-_GET_JOB = _sql(select(_JOBS).where(_JOBS.c.id == bindparam("id"), _JOBS.c.tenant_id == bindparam("tenant_id")))
+# A deleted job (DELETE /v1/videos/{id}, jobs.deleted_at) is gone for its tenant: no read or list shows it.
+_LIVE = _JOBS.c.deleted_at.is_(None)
+_GET_JOB = _sql(select(_JOBS).where(_JOBS.c.id == bindparam("id"), _JOBS.c.tenant_id == bindparam("tenant_id"), _LIVE))
+# Where a list page continues after a given job (GET /v1/videos?after=<id>): its place in the keyset order, deleted
+# or not (a client may delete the last video of the page it is reading).
+_POSITION = _sql(
+    select(_JOBS.c.created_at, _JOBS.c.id).where(
+        _JOBS.c.id == bindparam("id"), _JOBS.c.tenant_id == bindparam("tenant_id")
+    )
+)
 _LIVE_KEY = _sql(
     select(_KEYS.c.request_hash, _KEYS.c.job_id).where(
         _KEYS.c.tenant_id == bindparam("tenant_id"), _KEYS.c.key == bindparam("key"), _KEYS.c.expires_at > func.now()
@@ -89,6 +98,7 @@ _RESULT_SOURCE = _sql(
         _JOBS.c.tenant_id == bindparam("tenant_id"),
         _JOBS.c.result_key == bindparam("result_key"),
         _JOBS.c.status == literal_column(f"'{JobStatus.SUCCEEDED.value}'"),
+        _LIVE,  # a deleted video is not offered again
     )
     .order_by(_JOBS.c.created_at.desc())
     .limit(literal_column("1"))
@@ -109,31 +119,46 @@ class ResultSource:
     now: datetime
 
 
-def _list_sql(*, status: JobStatus | None, after: bool) -> str:
-    """Newest first; keyset pagination on (created_at, id). The cursor is a row comparison, which Postgres turns
-    into the start of a range scan of ix_jobs_tenant_newest (or ix_jobs_tenant_status_newest) read in the ORDER BY's
-    direction: a page at any depth reads ``limit + 1`` entries. The status is written into the SQL as a literal so
-    that a prepared statement's generic plan still picks the status index."""
-    stmt = select(_JOBS).where(_JOBS.c.tenant_id == bindparam("tenant_id"))
+def _list_sql(*, status: JobStatus | None, after: bool, ascending: bool = False) -> str:
+    """Newest first (or oldest first); keyset pagination on (created_at, id). The cursor is a row comparison, which
+    Postgres turns into the start of a range scan of ix_jobs_tenant_newest (or ix_jobs_tenant_status_newest) read
+    in the ORDER BY's direction (backwards for oldest first): a page at any depth reads ``limit + 1`` entries, plus
+    any deleted jobs among them. The status is written into the SQL as a literal so that a prepared statement's
+    generic plan still picks the status index."""
+    stmt = select(_JOBS).where(_JOBS.c.tenant_id == bindparam("tenant_id"), _LIVE)
     if status is not None:  # an enum value, safe to inline (see shared/states.py has_status for why inline)
         stmt = stmt.where(_JOBS.c.status == literal_column(f"'{status.value}'"))
+    key, cursor = tuple_(_JOBS.c.created_at, _JOBS.c.id), tuple_(bindparam("ts"), bindparam("jid"))
     if after:
-        stmt = stmt.where(tuple_(_JOBS.c.created_at, _JOBS.c.id) < tuple_(bindparam("ts"), bindparam("jid")))
-    stmt = stmt.order_by(_JOBS.c.created_at.desc(), _JOBS.c.id.desc()).limit(bindparam("limit"))
-    return _sql(stmt)
+        stmt = stmt.where(key > cursor if ascending else key < cursor)
+    if ascending:
+        stmt = stmt.order_by(_JOBS.c.created_at.asc(), _JOBS.c.id.asc())
+    else:
+        stmt = stmt.order_by(_JOBS.c.created_at.desc(), _JOBS.c.id.desc())
+    return _sql(stmt.limit(bindparam("limit")))
 
 
-_LIST = {(s, after): _list_sql(status=s, after=after) for s in [None, *JobStatus] for after in (False, True)}
+_LIST = {
+    (s, after, ascending): _list_sql(status=s, after=after, ascending=ascending)
+    for s in [None, *JobStatus]
+    for after in (False, True)
+    for ascending in (False, True)
+}
 
 
 def list_query(
-    *, tenant_id: uuid.UUID, status: JobStatus | None, limit: int, after: tuple[datetime, uuid.UUID] | None
+    *,
+    tenant_id: uuid.UUID,
+    status: JobStatus | None,
+    limit: int,
+    after: tuple[datetime, uuid.UUID] | None,
+    ascending: bool = False,
 ) -> tuple[str, dict[str, Any]]:
     """The SQL and parameters of one list page, as ``JobStore.page`` sends them (query-plan tests EXPLAIN these)."""
     params: dict[str, Any] = {"tenant_id": tenant_id, "limit": limit}
     if after is not None:
         params["ts"], params["jid"] = after
-    return _LIST[(status, after is not None)], params
+    return _LIST[(status, after is not None, ascending)], params
 
 
 def job_from_row(row: TupleRow) -> Job:
@@ -258,7 +283,16 @@ class JobStore:
         status: JobStatus | None,
         limit: int,
         after: tuple[datetime, uuid.UUID] | None,
+        ascending: bool = False,
     ) -> list[Job]:
-        sql, params = list_query(tenant_id=tenant_id, status=status, limit=limit, after=after)
+        sql, params = list_query(tenant_id=tenant_id, status=status, limit=limit, after=after, ascending=ascending)
         cur = await conn.execute(sql, params)
         return [job_from_row(row) for row in await cur.fetchall()]
+
+    async def position(
+        self, conn: AsyncConnection[TupleRow], *, tenant_id: uuid.UUID, job_id: uuid.UUID
+    ) -> tuple[datetime, uuid.UUID] | None:
+        """The job's place in the list order (created_at, id), deleted or not; None for another tenant's id."""
+        cur = await conn.execute(_POSITION, {"id": job_id, "tenant_id": tenant_id})
+        row = await cur.fetchone()
+        return None if row is None else (row[0], row[1])

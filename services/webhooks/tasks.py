@@ -22,11 +22,11 @@ from sqlalchemy import func, insert, select, update
 from shared.config import Settings
 from shared.db import session_scope
 from shared.models import Job, Tenant, WebhookDelivery
-from shared.presenters import present_job
 from shared.queues import TASK_DELIVER_WEBHOOK
 from shared.states import JobStatus
+from shared.webhooks.events import event_body, event_type
 from shared.webhooks.schedule import message_id, next_delay_s
-from shared.webhooks.signing import build_event, sign
+from shared.webhooks.signing import sign
 from shared.webhooks.transport import DeliveryResult, deliver
 
 log = logging.getLogger("vidq.webhooks")
@@ -63,12 +63,12 @@ def deliver_webhook(self: Task, job_id: str) -> str:
         job, secret = row
         if not job.webhook_url or not JobStatus(job.status).is_terminal():
             return "nothing_to_send"
-        event_type = f"job.{job.status}"
+        kind = event_type(job)  # job.* or video.*, by the API that created the job
         latest = session.execute(
             select(WebhookDelivery.attempt, WebhookDelivery.next_attempt_at <= func.now())
             .where(
                 WebhookDelivery.job_id == jid,
-                WebhookDelivery.event_type == event_type,
+                WebhookDelivery.event_type == kind,
                 ~WebhookDelivery.superseded,
             )
             .order_by(WebhookDelivery.attempt.desc())
@@ -77,13 +77,10 @@ def deliver_webhook(self: Task, job_id: str) -> str:
         if latest is not None and not latest[1]:
             return "not_due"  # delivered, given up, or its retry is not due yet: the sweeper hands it over then
         attempt = 1 if latest is None else latest[0] + 1
-        payload = build_event(
-            event_type=event_type,
-            job=present_job(job, settings=settings, storage=self.app.storage).model_dump(mode="json"),
-        )
+        payload = event_body(job, settings=settings, storage=self.app.storage)
         url = job.webhook_url
     # 2. One guarded POST, outside any transaction (it may take webhook_timeout_s).
-    msg_id = message_id(jid, event_type)
+    msg_id = message_id(jid, kind)
     body = json.dumps(payload, separators=(",", ":")).encode()
     result = deliver(
         url,
@@ -99,7 +96,7 @@ def deliver_webhook(self: Task, job_id: str) -> str:
             update(WebhookDelivery)
             .where(
                 WebhookDelivery.job_id == jid,
-                WebhookDelivery.event_type == event_type,
+                WebhookDelivery.event_type == kind,
                 ~WebhookDelivery.superseded,
             )
             .values(superseded=True)
@@ -108,7 +105,7 @@ def deliver_webhook(self: Task, job_id: str) -> str:
         session.execute(
             insert(WebhookDelivery).values(
                 job_id=jid,
-                event_type=event_type,
+                event_type=kind,
                 msg_id=msg_id,
                 attempt=attempt,
                 url=url,

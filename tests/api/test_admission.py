@@ -69,3 +69,18 @@ def test_operator_endpoints_are_never_shed() -> None:
     """They hold no database connection (the limit is sized with the pool) and are wanted most under load."""
     statuses, _, _ = asyncio.run(_burst(10, path="/v1/admin/cache/stats"))
     assert statuses == Counter({200: 10})
+
+
+def test_the_videos_api_is_refused_in_openais_error_shape() -> None:
+    statuses, _, responses = asyncio.run(_burst(5, path="/v1/videos"))
+    assert statuses == Counter({200: 3, 503: 2})
+    refused = [r for r in responses if r.status_code == 503]
+    assert all(r.headers["retry-after"] == "2" for r in refused)
+    assert [r.json()["error"] for r in refused] == 2 * [
+        {
+            "message": "the API is at capacity; retry after the given seconds",
+            "type": "server_error",
+            "param": None,
+            "code": "overloaded",
+        }
+    ]

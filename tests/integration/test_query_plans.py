@@ -160,6 +160,17 @@ def test_a_list_page_reads_one_page_of_its_index_at_any_depth(settings, tenants,
     assert not [n for n in plan_nodes(plan) if n["Node Type"] == "Sort"], plan_line(plan)  # read in ORDER BY's order
 
 
+@pytest.mark.parametrize("depth", [None, 50_000])
+def test_an_oldest_first_page_reads_the_same_index_backwards(settings, tenants, depth):
+    """GET /v1/videos?order=asc: the tenant index read in the other direction, one page at any depth, no sort."""
+    after = decode_cursor(_cursor_at(settings, tenants[0], depth)) if depth else None
+    sql, params = list_query(tenant_id=tenants[0], status=None, limit=PAGE + 1, after=after, ascending=True)
+    with get_engine(settings).connect() as conn:
+        plan = explain(conn, sql, params)
+    assert _read(plan, "ix_jobs_tenant_newest") == PAGE + 1, plan_line(plan)
+    assert not [n for n in plan_nodes(plan) if n["Node Type"] == "Sort"], plan_line(plan)
+
+
 def test_the_result_cache_lookup_reads_one_entry_of_its_index(settings, tenants):
     """The submit's lookup: this tenant's newest succeeded job with this key, one entry of ix_jobs_result_cache read
     (in the index's own order, no sort), for a key served a thousand times, a key of one job, and no match."""

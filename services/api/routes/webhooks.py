@@ -16,6 +16,7 @@ from shared.errors import Conflict, InvalidRequest
 from shared.models import Job, WebhookDelivery
 from shared.schemas import ERROR_RESPONSES, RedeliveryOut, WebhookDeliveryOut, WebhookDeliveryPage
 from shared.states import JobStatus
+from shared.webhooks.events import event_type as webhook_event_type
 from shared.webhooks.schedule import message_id
 
 router = APIRouter(tags=["webhooks"], responses=ERROR_RESPONSES)
@@ -81,7 +82,7 @@ def redeliver(job_id: uuid.UUID, request: Request, session: SessionDep, tenant: 
         raise Conflict("the job is not finished: its webhook is sent when it is", details={"status": job.status})
     if not job.webhook_url:
         raise Conflict("the job has no webhook URL")
-    event_type = f"job.{job.status}"
+    event_type = webhook_event_type(job)
     latest = session.execute(
         select(WebhookDelivery)
         .where(

@@ -147,6 +147,10 @@ class Job(Base):
     result_key: Mapped[str | None] = mapped_column(String(64))
     result_of: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("jobs.id", ondelete="SET NULL"))
 
+    # The W3C traceparent of the request that created the job (shared/tracing.py); every later message of the job
+    # continues that trace. Null when tracing was off (and for jobs made before migration 0005).
+    traceparent: Mapped[str | None] = mapped_column(String(55))
+
 
 class JobTransition(Base):
     """Audit log: one row per state change (built by shared.states only: its transitions, and the row of a job

@@ -33,6 +33,7 @@ from shared.schemas import JobCreate
 from shared.scoring import score_job
 from shared.spec import GenerationSpec
 from shared.states import RESULT_CACHE, JobStatus, log_transition, served_from_cache, transition_values
+from shared.tracing import current_traceparent
 
 log = logging.getLogger("vidq.api.jobs")
 
@@ -62,6 +63,7 @@ def job_values(settings: Settings, *, tenant_id: uuid.UUID, body: JobCreate, spe
         "attempt": 0,
         "max_attempts": settings.max_attempts,
         "timings": {},
+        "traceparent": current_traceparent(),  # the creating request's trace: every later hop of the job continues it
     }
 
 

@@ -50,7 +50,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             sweeper = Sweeper(settings, celery=app.state.celery, sessions=app.state.sessions)
             sweeper_thread = threading.Thread(target=sweeper.run_forever, args=(stop,), daemon=True)
             sweeper_thread.start()
-        log.info("api started", extra={"sweeper": settings.sweeper_in_api})
+        log.info("api started", extra={"sweeper": settings.sweeper_in_api, "tracing": tracing is not None})
         yield
         stop.set()
         if sweeper_thread is not None:

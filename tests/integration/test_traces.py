@@ -7,12 +7,14 @@ tracing off."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -284,3 +286,42 @@ def test_a_message_sent_again_by_the_sweeper_continues_the_jobs_trace(
     claim = stage(spans, "claim")
     consumer = by_id[claim.parent_id]
     assert by_id[consumer.parent_id].service == "vidq-sweeper"  # the run came from the sweeper's message
+
+
+@pytest.fixture
+def black_hole() -> Iterator[str]:
+    """A collector that accepts connections and never answers (the worst outage: every export waits its timeout)."""
+    with socket.create_server(("127.0.0.1", 0), backlog=64) as listener:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+
+def test_a_collector_that_never_answers_changes_nothing_for_the_job(
+    procs: ProcessGroup, black_hole: str, tenant_key: dict[str, str], receiver: Receiver, tmp_path: Path
+) -> None:
+    port = free_port()
+    env = {
+        **procs.env,
+        "VIDQ_OTEL_ENDPOINT": black_hole,
+        "VIDQ_OTEL_TIMEOUT_S": "1",
+        "VIDQ_OTEL_BATCH_DELAY_MS": "50",
+        "VIDQ_PUBLIC_BASE_URL": f"http://127.0.0.1:{port}",
+    }
+    group = ProcessGroup(env=env, log_dir=tmp_path)
+    try:
+        group.start("api-blackhole", vidq_argv("api", "--no-migrate", "--port", str(port)))
+        group.start("worker-blackhole", vidq_argv("worker", "--role", "all", "--name", f"blackhole-{port}"))
+        wait_http(f"http://127.0.0.1:{port}/readyz", timeout_s=60, group=group)
+        wait_for_log(group, "worker-blackhole", "pipeline loaded", timeout_s=120)
+        headers = {"Authorization": f"Bearer {tenant_key['api_key']}"}
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=headers, timeout=30) as client:
+            jobs = [client.post("/v1/jobs", json={**TINY, "seed": s, "webhook_url": receiver.url}) for s in (3, 4)]
+            assert [r.status_code for r in jobs] == [202, 202]
+            for r in jobs:
+                done = wait_job(client, r.json()["id"], {"succeeded", "failed"})
+                assert done["status"] == "succeeded", done["error"]
+                assert done["attempt"] == 1
+        wait_until(lambda: len(receiver.requests) == 2, timeout_s=30, what="both webhooks")
+        for name in ("api-blackhole", "worker-blackhole"):  # tracing was on, and its exports were failing
+            wait_for_log(group, name, "Failed to export spans", timeout_s=30)
+    finally:
+        group.stop_all(timeout_s=15)

@@ -32,7 +32,7 @@ from shared.config import Settings
 from shared.db import session_scope
 from shared.models import Job
 from tests.integration.conftest import Receiver
-from tests.integration.helpers import TINY, db_job, free_port, queue_key, wait_job
+from tests.integration.helpers import TINY, db_job, free_port, process_env, queue_key, wait_job
 from tools.processes import ProcessGroup, vidq_argv, wait_for_log, wait_http, wait_until
 
 STAGES = ["claim", "embeddings", "denoise", "decode", "encode", "upload", "finalize", "webhook"]
@@ -325,3 +325,42 @@ def test_a_collector_that_never_answers_changes_nothing_for_the_job(
             wait_for_log(group, name, "Failed to export spans", timeout_s=30)
     finally:
         group.stop_all(timeout_s=15)
+
+
+def test_every_attempt_of_a_job_and_its_webhook_are_one_trace(
+    traced: Traced, traced_client: httpx.Client, collector: Collector, settings: Settings, receiver: Receiver
+) -> None:
+    # An encoder-free worker and no prewarmer: each attempt gives the job back (embeddings_unavailable), and the
+    # worker's release sends it again, until max_attempts fails it and its webhook goes out.
+    with process_env(traced.group, VIDQ_WORKER_TEXT_ENCODER="remote", VIDQ_WORKER_REMOTE_ENCODE_TIMEOUT_S="0.5"):
+        traced.worker("all")
+    prompt = f"a lighthouse nobody has encoded yet {uuid.uuid4().hex}"
+    job = traced_client.post("/v1/jobs", json={**TINY, "prompt": prompt, "webhook_url": receiver.url}).json()
+    done = wait_job(traced_client, job["id"], {"succeeded", "failed"})
+    assert (done["status"], done["error"]["code"]) == ("failed", "embeddings_unavailable")
+    attempts = settings.max_attempts
+    assert done["attempt"] == attempts
+    assert receiver.event.wait(30), "webhook never delivered"
+
+    trace_id = job_trace_id(settings, job["id"])
+    wait_until(
+        lambda: (
+            [s.name for s in collector.trace(trace_id)].count("claim") == attempts
+            and "webhook" in {s.name for s in collector.trace(trace_id)}
+        ),
+        timeout_s=60,
+        what="every attempt's claim and the webhook",
+    )
+    spans = collector.trace(trace_id)
+    assert {s.trace_id for s in collector.of_job(job["id"])} == {trace_id}
+    assert [s.name for s in spans if not s.parent_id] == ["POST /v1/jobs"]
+    by_id = {s.span_id: s for s in spans}
+    claims = sorted((s for s in spans if s.name == "claim"), key=lambda s: s.start_ns)
+    assert [c.attributes["vidq.attempt"] for c in claims] == list(range(1, attempts + 1))
+    # Attempt 1 came from the API's send, each later one from the worker's release of the one before.
+    senders = [by_id[by_id[c.parent_id].parent_id].service for c in claims]
+    assert senders == ["vidq-api"] + ["vidq-worker"] * (attempts - 1)
+    assert len([s for s in spans if s.name == "embeddings"]) == attempts
+    webhook = stage(spans, "webhook")
+    assert webhook.attributes["vidq.event"] == "job.failed"
+    assert webhook.start_ns > claims[-1].start_ns

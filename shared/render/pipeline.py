@@ -100,11 +100,10 @@ class VideoPipeline:
         """Render ``spec`` to uint8 RGB frames.
 
         ``text_rows`` gives the prompt's (and negative prompt's) embedding rows; by default the pipeline's own
-        encoder computes them. ``stage_scope(name)`` wraps each stage. ``on_step(done, total)`` runs after every
-        denoising step. Whatever it raises (a
-        cancelled job's ``JobCancelled``) stops the render at once and propagates unchanged; its intermediate
-        tensors are released before the exception leaves. A ``ValueError`` from the model becomes
-        ``PermanentRenderError``.
+        encoder computes them. ``stage_scope(name)`` wraps each stage ("embeddings", "denoise", "decode").
+        ``on_step(done, total)`` runs after every denoising step. Whatever it raises (a cancelled job's
+        ``JobCancelled``) stops the render at once and propagates unchanged; its intermediate tensors are released
+        before the exception leaves. A ``ValueError`` from the model becomes ``PermanentRenderError``.
         """
         cuda = self.device.type == "cuda"
         if cuda:

@@ -255,7 +255,9 @@ def publishing(messages: Sequence[Outgoing]) -> Iterator[list[dict[str, str]]]:
         propagate.inject(carrier, context=trace.set_span_in_context(span))
         headers.append(carrier)
     scope: AbstractContextManager[object] = (
-        trace.use_span(spans[0], end_on_exit=False) if len(spans) == 1 else nullcontext()
+        trace.use_span(spans[0], end_on_exit=False, record_exception=False, set_status_on_exception=False)
+        if len(spans) == 1
+        else nullcontext()
     )
     try:
         with scope:

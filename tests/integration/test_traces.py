@@ -250,6 +250,9 @@ def test_one_trace_from_the_post_to_the_webhook(
         assert f"opentelemetry.instrumentation.{library}" in scopes, (library, scopes)
     sql_in_claim = [s for s in spans if s.parent_id == claim.span_id and s.scope.endswith("sqlalchemy")]
     assert sql_in_claim, "the claim's UPDATE is not under the claim span"
+    # The fixture polled /readyz before the POST; the API exports its spans in order, so they would be here by now.
+    with collector.lock:
+        assert not [s for s in collector.spans if s.name.startswith(("GET /readyz", "GET /healthz"))]
 
 
 def test_a_message_sent_again_by_the_sweeper_continues_the_jobs_trace(

@@ -14,7 +14,7 @@ from __future__ import annotations
 import base64
 import json
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +22,7 @@ import redis
 from celery.utils.nodenames import anon_nodename
 
 from shared.celery_app import VidqCelery
+from shared.tracing import publishing
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,10 +30,14 @@ class TaskMessage:
     task: str
     job_id: uuid.UUID
     queue: str
+    traceparent: str | None = None  # the job's stored trace context (shared/tracing.py)
 
 
-def envelope(celery: VidqCelery, message: TaskMessage, *, origin: str) -> str:
-    """The JSON string kombu's Redis transport would LPUSH for ``send_task(task, args=[job_id], queue=queue)``."""
+def envelope(
+    celery: VidqCelery, message: TaskMessage, *, origin: str, trace_headers: Mapping[str, str] | None = None
+) -> str:
+    """The JSON string kombu's Redis transport would LPUSH for ``send_task(task, args=[job_id], queue=queue)``;
+    ``trace_headers`` (W3C trace context) join the message headers, where Celery's tracing reads them."""
     task_id = str(uuid.uuid4())
     args = [str(message.job_id)]
     task = celery.amqp.as_task_v2(task_id, message.task, args=args, kwargs={}, argsrepr=repr(args), origin=origin)
@@ -42,7 +47,7 @@ def envelope(celery: VidqCelery, message: TaskMessage, *, origin: str) -> str:
             "body": base64.b64encode(body).decode("ascii"),
             "content-encoding": "utf-8",
             "content-type": "application/json",
-            "headers": task.headers,
+            "headers": {**task.headers, **(trace_headers or {})},
             "properties": {
                 **task.properties,
                 "delivery_mode": 2,  # persistent
@@ -72,9 +77,11 @@ class Publisher:
     def publish(self, messages: Sequence[TaskMessage]) -> None:
         """All of ``messages`` in one round trip. Raises redis errors: the caller decides (the sweeper resends)."""
         pipe = self.client.pipeline(transaction=False)
-        for message in messages:
-            pipe.lpush(f"{self.prefix}{message.queue}", envelope(self.celery, message, origin=self.origin))
-        pipe.execute()
+        with publishing(messages) as trace_headers:
+            for message, headers in zip(messages, trace_headers, strict=True):
+                body = envelope(self.celery, message, origin=self.origin, trace_headers=headers)
+                pipe.lpush(f"{self.prefix}{message.queue}", body)
+            pipe.execute()
 
 
 def publisher(celery: VidqCelery) -> Publisher:

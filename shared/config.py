@@ -221,6 +221,14 @@ class Settings(BaseSettings):
     webhook_resend_grace_s: float = 60.0  # a finished job with no delivery attempt after this is handed over again
     webhook_allow_private: bool = False  # loopback/private/link-local targets (tests and the demo only)
 
+    # --- tracing (shared/tracing.py) ---------------------------------------------------------------------------
+    # OTLP/HTTP collector, e.g. http://otel-collector:4318 (…/v1/traces is added unless the URL ends with it).
+    # Empty: tracing is off, no provider is installed and nothing is instrumented.
+    otel_endpoint: str = ""
+    otel_timeout_s: float = 5.0  # one export request, retries included; also bounds the flush at process exit
+    otel_batch_delay_ms: int = 5000  # spans are exported in batches at least this often
+    otel_sample_ratio: float = Field(default=1.0, ge=0, le=1)  # share of jobs (traces) recorded
+
     # --- operators ----------------------------------------------------------------------------------------------
     # Bearer token of the operator endpoints (/v1/admin/…: cache statistics). Empty: those endpoints answer 404.
     admin_token: str = ""

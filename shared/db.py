@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from sqlalchemy import Engine, create_engine
+import sqlalchemy
+from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from shared.config import Settings
@@ -16,7 +17,8 @@ _engines: dict[str, Engine] = {}
 def make_engine(settings: Settings) -> Engine:
     # No pre-ping (a round trip per checkout): a connection found dead fails its one request with a 503, and
     # SQLAlchemy then invalidates the whole pool, so an outage costs one error per process, not one per connection.
-    return create_engine(
+    # sqlalchemy.create_engine is looked up at call time: tracing's instrumentation (shared/tracing.py) wraps it.
+    return sqlalchemy.create_engine(
         settings.sqlalchemy_url,
         pool_pre_ping=False,
         pool_size=settings.db_pool_size,

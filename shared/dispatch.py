@@ -41,6 +41,7 @@ class Message:
     task: str
     job_id: uuid.UUID
     queue: str
+    traceparent: str | None = None  # the job's stored trace (shared/tracing.py): the message continues it
 
     @property
     def records_send(self) -> bool:
@@ -49,14 +50,14 @@ class Message:
 
 def send_job_after_commit(session: Session, celery: VidqCelery, job: Job, *, queue: str | None = None) -> None:
     """Send the job to ``queue`` (its own queue by default) once ``session`` commits."""
-    _register(session, Message(celery, TASK_GENERATE, job.id, queue or job.queue))
+    _register(session, Message(celery, TASK_GENERATE, job.id, queue or job.queue, job.traceparent))
 
 
 def send_webhook_after_commit(session: Session, celery: VidqCelery, job: Job) -> None:
     """Queue the delivery of a finished job's event once ``session`` commits; nothing when there is nothing to
     deliver (no webhook URL, or the job is not finished)."""
     if job.webhook_url and JobStatus(job.status).is_terminal():
-        _register(session, Message(celery, TASK_DELIVER_WEBHOOK, job.id, Queue.WEBHOOKS.value))
+        _register(session, Message(celery, TASK_DELIVER_WEBHOOK, job.id, Queue.WEBHOOKS.value, job.traceparent))
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,9 +88,9 @@ def send_committed(celery: VidqCelery, job: Job) -> None:
     sends every job left unsent, and every webhook still marked pending (``jobs.webhook_pending_since``)."""
     status = JobStatus(job.status)
     if status is JobStatus.QUEUED:
-        _sender(celery).put(Message(celery, TASK_GENERATE, job.id, job.queue))
+        _sender(celery).put(Message(celery, TASK_GENERATE, job.id, job.queue, job.traceparent))
     elif job.webhook_url and status.is_terminal():
-        _sender(celery).put(Message(celery, TASK_DELIVER_WEBHOOK, job.id, Queue.WEBHOOKS.value))
+        _sender(celery).put(Message(celery, TASK_DELIVER_WEBHOOK, job.id, Queue.WEBHOOKS.value, job.traceparent))
 
 
 def _register(session: Session, message: Message) -> None:
@@ -122,7 +123,7 @@ def _send(messages: list[Message]) -> list[Message]:
     if not messages:
         return []
     try:
-        publisher(messages[0].celery).publish([TaskMessage(m.task, m.job_id, m.queue) for m in messages])
+        publisher(messages[0].celery).publish([TaskMessage(m.task, m.job_id, m.queue, m.traceparent) for m in messages])
     except Exception as exc:  # broker down: the sweeper sends them later
         log.warning(
             "send failed; the sweeper will resend",

@@ -161,6 +161,10 @@ class Job(Base):
     # DELETE /v1/videos/{id}: the job answers 404 and leaves every list from then on (its S3 objects stay).
     deleted_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
+    # The W3C traceparent of the request that created the job (shared/tracing.py); every later message of the job
+    # continues that trace. Null when tracing was off (and for jobs made before migration 0006).
+    traceparent: Mapped[str | None] = mapped_column(String(55))
+
 
 class JobTransition(Base):
     """Audit log: one row per state change (built by shared.states only: its transitions, and the row of a job

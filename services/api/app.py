@@ -22,6 +22,7 @@ from shared.db import get_engine, session_factory
 from shared.logs import configure_logging
 from shared.progress import ProgressHub
 from shared.storage import Storage
+from shared.tracing import setup_tracing
 
 log = logging.getLogger("vidq.api")
 
@@ -49,7 +50,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             sweeper = Sweeper(settings, celery=app.state.celery, sessions=app.state.sessions)
             sweeper_thread = threading.Thread(target=sweeper.run_forever, args=(stop,), daemon=True)
             sweeper_thread.start()
-        log.info("api started", extra={"sweeper": settings.sweeper_in_api})
+        log.info("api started", extra={"sweeper": settings.sweeper_in_api, "tracing": tracing is not None})
         yield
         stop.set()
         if sweeper_thread is not None:
@@ -57,6 +58,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         await app.state.progress_hub.close()
         await app.state.store.close()
         app.state.engine.dispose()
+        if tracing is not None:
+            tracing.shutdown()
 
     app = FastAPI(
         title="vidq",
@@ -75,5 +78,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_error_handlers(app, retry_after_s=settings.api_retry_after_s)
     app.add_middleware(AdmissionLimit, **admission_kwargs(settings))
     app.add_middleware(RequestTiming)  # outermost: the latency includes the wait for admission
+    # Before the app serves (its middleware stack is built then); None and nothing installed while tracing is off.
+    tracing = setup_tracing("vidq-api", settings, app=app)
 
     return app

@@ -33,6 +33,7 @@ from shared.schemas import JobCreate
 from shared.scoring import score_job
 from shared.spec import GenerationSpec
 from shared.states import RESULT_CACHE, JobStatus, log_transition, served_from_cache, transition_values
+from shared.tracing import current_traceparent
 
 log = logging.getLogger("vidq.api.jobs")
 
@@ -71,6 +72,7 @@ def job_values(
         "max_attempts": settings.max_attempts,
         "timings": {},
         "api_flavour": flavour.value,
+        "traceparent": current_traceparent(),  # the creating request's trace: every later hop of the job continues it
     }
 
 

@@ -43,6 +43,7 @@ from shared.textcache.monitor import RATES, HitRateMonitor, mode_key, read_windo
 from shared.textcache.queued import QueuedPrompts, peek_job_ids, queued_prompts
 from shared.textcache.remote import EncodeRequest, reply, take_request
 from shared.textcache.tiers import TierDown
+from shared.tracing import stage_span
 
 log = logging.getLogger("vidq.prewarmer")
 
@@ -154,6 +155,10 @@ class Prewarmer:
         return served
 
     def _answer(self, request: EncodeRequest) -> None:
+        with stage_span("encode_request", {"vidq.model": request.model, "vidq.texts": len(request.texts)}):
+            self._answer_traced(request)
+
+    def _answer_traced(self, request: EncodeRequest) -> None:
         if request.deadline < self.clock():
             REQUESTS.labels("expired").inc()
             return  # nobody waits for it any more
@@ -277,6 +282,12 @@ class Prewarmer:
         missing = [c for c in chunk if c.key not in present]
         if not missing:
             return
+        with stage_span("prewarm", {"vidq.candidates": len(chunk), "vidq.missing": len(missing)}):
+            self._fill(missing, report)
+
+    def _fill(self, missing: list[Candidate], report: CycleReport) -> None:
+        """What the first shared tier lacks: promoted from L3 when it holds it, else encoded; written to L2 and L3."""
+        l2, l3 = self.cache.l2, self.cache.l3
         from_l3: dict[str, bytes] = {}
         if l3 is not None and l2 is not None:
             try:

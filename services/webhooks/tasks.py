@@ -17,6 +17,7 @@ import uuid
 from datetime import UTC, datetime, timedelta
 
 from celery import Task, shared_task
+from opentelemetry.trace import StatusCode
 from sqlalchemy import func, insert, select, update
 
 from shared.config import Settings
@@ -24,6 +25,7 @@ from shared.db import session_scope
 from shared.models import Job, Tenant, WebhookDelivery
 from shared.queues import TASK_DELIVER_WEBHOOK
 from shared.states import JobStatus
+from shared.tracing import stage_span
 from shared.webhooks.events import event_body, event_type
 from shared.webhooks.schedule import message_id, next_delay_s
 from shared.webhooks.signing import sign
@@ -79,17 +81,23 @@ def deliver_webhook(self: Task, job_id: str) -> str:
         attempt = 1 if latest is None else latest[0] + 1
         payload = event_body(job, settings=settings, storage=self.app.storage)
         url = job.webhook_url
-    # 2. One guarded POST, outside any transaction (it may take webhook_timeout_s).
+    # 2. One guarded POST, outside any transaction (it may take webhook_timeout_s); a span of the job's trace.
     msg_id = message_id(jid, kind)
     body = json.dumps(payload, separators=(",", ":")).encode()
-    result = deliver(
-        url,
-        body=body,
-        headers=sign(secret, msg_id=msg_id, body=body, timestamp=datetime.now(UTC)),
-        timeout_s=settings.webhook_timeout_s,
-        allow_private=settings.webhook_allow_private,
-    )
-    done, delay = outcome(result, attempt=attempt, settings=settings)
+    with stage_span("webhook", {"vidq.job_id": job_id, "vidq.event": kind}) as span:
+        result = deliver(
+            url,
+            body=body,
+            headers=sign(secret, msg_id=msg_id, body=body, timestamp=datetime.now(UTC)),
+            timeout_s=settings.webhook_timeout_s,
+            allow_private=settings.webhook_allow_private,
+        )
+        done, delay = outcome(result, attempt=attempt, settings=settings)
+        span.set_attributes({"vidq.webhook.attempt": attempt, "vidq.webhook.outcome": done})
+        if result.status_code is not None:
+            span.set_attribute("http.response.status_code", result.status_code)
+        if not result.ok:
+            span.set_status(StatusCode.ERROR, result.error or f"HTTP {result.status_code}")
     # 3. The attempt on record, as the latest of its job and event; the next one planned when there is one.
     with session_scope(settings) as session:
         session.execute(

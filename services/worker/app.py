@@ -37,6 +37,8 @@ from shared.config import get_settings
 from shared.db import dispose_engines
 from shared.liveness import mark_pool, pool_path
 from shared.logs import configure_logging
+from shared.tracing import active as active_tracing
+from shared.tracing import setup_tracing
 
 log = logging.getLogger("vidq.worker")
 
@@ -111,6 +113,7 @@ def _init_child(**_: Any) -> None:
     # SIGINT here; billiard's kills (hard time limit) escalate to SIGKILL, and so does ours on a hard stop.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     dispose_engines()  # never share a parent's sockets across fork
+    setup_tracing("vidq-worker", settings, celery=True)  # here: the pool process runs the tasks (nothing when off)
     mark_pool(pool_path(Path(settings.worker_liveness_file)), "loading")
     threading.Thread(target=_load_models, name="vidq-model-load", daemon=True).start()
 
@@ -118,6 +121,8 @@ def _init_child(**_: Any) -> None:
 @worker_process_shutdown.connect
 def _shutdown_child(**_: Any) -> None:
     dispose_engines()
+    if (tracing := active_tracing()) is not None:  # a pool process ends without atexit hooks
+        tracing.shutdown()
 
 
 # --- shutdown, in the main process ---------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """One job, start to end: claim → render → encode → upload → finalize → webhook. A plain function the thin
-Celery task calls; everything it does is fenced by the attempt number it claimed."""
+Celery task calls; everything it does is fenced by the attempt number it claimed. Each stage is a span of the job's
+trace (shared/tracing.py; no-ops while tracing is off)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from celery.exceptions import SoftTimeLimitExceeded
 from minio.error import InvalidResponseError, S3Error, ServerError
+from opentelemetry import trace
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session
@@ -35,6 +37,7 @@ from shared.spec import GenerationSpec
 from shared.states import JobStatus, cancelled_by_worker, claim, fail, release_for_retry, succeed
 from shared.storage import Storage, StoredObject, poster_key, video_key
 from shared.textcache.remote import EmbeddingsUnavailable
+from shared.tracing import stage_span
 
 if TYPE_CHECKING:  # the render code (torch) is imported where a job renders, not when the task module loads
     from shared.render.pipeline import RenderResult, VideoPipeline
@@ -130,6 +133,9 @@ def _run_job(
             job = claim(session, job_id, worker_id=worker_id(), lease_s=settings.lease_s)
             if job is None:
                 return None
+            trace.get_current_span().set_attributes(
+                {"vidq.attempt": job.attempt, "vidq.model": job.spec.get("model", ""), "vidq.queue": job.queue}
+            )
             if job.attempt == 1 and job.started_at is not None:  # a retry's wait would count the failed attempt
                 QUEUE_WAIT.labels(job.priority_class).observe((job.started_at - job.created_at).total_seconds())
             return job.attempt, str(job.tenant_id), GenerationSpec.from_dict(job.spec)
@@ -143,13 +149,14 @@ def _run_job(
     # lost finds the job running on retry and drops the message: the lease (never renewed) expires and the
     # sweeper re-queues the job.
     try:
-        claimed = _retry_db(
-            claim_once,
-            settings=settings,
-            deadline=time.monotonic() + settings.worker_claim_wait_s,
-            what="claim",
-            ctx=ctx,
-        )
+        with stage_span("claim", {"vidq.job_id": str(job_id)}):
+            claimed = _retry_db(
+                claim_once,
+                settings=settings,
+                deadline=time.monotonic() + settings.worker_claim_wait_s,
+                what="claim",
+                ctx=ctx,
+            )
     except Exception as exc:
         if db_unreachable(exc):
             raise ClaimDeferred(f"Postgres unreachable for {settings.worker_claim_wait_s:.0f} s") from exc
@@ -173,9 +180,10 @@ def _run_job(
         def finalize() -> Job | None:
             return _settle(settings, celery, lambda s: succeed(s, job_id, token=token, output=outcome))
 
-        done = _retry_db(
-            finalize, settings=settings, deadline=time.monotonic() + settings.lease_s, what="finalize", ctx=ctx
-        )
+        with stage_span("finalize", {"vidq.job_id": str(job_id), "vidq.attempt": token}):
+            done = _retry_db(
+                finalize, settings=settings, deadline=time.monotonic() + settings.lease_s, what="finalize", ctx=ctx
+            )
         if done is None:
             log.warning("finalize refused: fencing token is stale", extra=ctx)
             return "stale"
@@ -330,15 +338,18 @@ def _render_and_store(
         # 3. Encode H.264 yuv420p MP4 and a JPEG poster.
         t0 = time.perf_counter()
         mp4, jpg = Path(tmp) / "video.mp4", Path(tmp) / "poster.jpg"
-        encode_mp4(result.frames, fps=spec.fps, path=mp4)
-        write_poster(result.frames, jpg)
+        with stage_span("encode", {**_job_attributes(lease), "vidq.fps": spec.fps}):
+            encode_mp4(result.frames, fps=spec.fps, path=mp4)
+            write_poster(result.frames, jpg)
         timings["encode"] = round(time.perf_counter() - t0, 4)
         # 4. Upload under deterministic keys: a retried attempt overwrites, never duplicates.
         t0 = time.perf_counter()
         lease.check()
         upload = partial(_upload, storage, settings=settings, lease=lease, ctx={"job_id": str(job_id)})
-        video = upload(video_key(tenant_id, str(job_id)), mp4, content_type="video/mp4")
-        poster = upload(poster_key(tenant_id, str(job_id)), jpg, content_type="image/jpeg")
+        with stage_span("upload", {**_job_attributes(lease), "vidq.bucket": settings.s3_bucket}) as span:
+            video = upload(video_key(tenant_id, str(job_id)), mp4, content_type="video/mp4")
+            poster = upload(poster_key(tenant_id, str(job_id)), jpg, content_type="image/jpeg")
+            span.set_attribute("vidq.output_bytes", video.size)
         timings["upload"] = round(time.perf_counter() - t0, 4)
     for stage, seconds in timings.items():
         STAGE_SECONDS.labels(stage).observe(seconds)
@@ -377,4 +388,21 @@ def _generate(pipeline: VideoPipeline, spec: GenerationSpec, *, celery: VidqCele
     if _oom_faults[0] > 0:
         _oom_faults[0] -= 1
         raise torch.OutOfMemoryError("CUDA out of memory (VIDQ_WORKER_FAULT_OOM_RENDERS test knob)")
-    return pipeline.generate(spec, on_step=lease.on_step, text_rows=text_rows(celery, pipeline))
+    attributes = {
+        **_job_attributes(lease),
+        "vidq.model": spec.model,
+        "vidq.shape": f"{spec.num_frames}x{spec.height}x{spec.width}",
+        "vidq.steps": spec.steps,
+        "vidq.device": str(pipeline.device),
+        "vidq.memory_mode": pipeline.memory_mode,
+    }
+    return pipeline.generate(
+        spec,
+        on_step=lease.on_step,
+        text_rows=text_rows(celery, pipeline),
+        stage_scope=lambda stage: stage_span(stage, attributes),
+    )
+
+
+def _job_attributes(lease: Lease) -> dict[str, str | int]:
+    return {"vidq.job_id": str(lease.job_id), "vidq.attempt": lease.token}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -33,6 +34,9 @@ from shared.spec import GenerationSpec
 StepCallback = Callable[[int, int], None]
 # Texts to their real-token embedding rows (shared/render/text.py): the worker passes the embedding cache's lookup.
 TextRows = Callable[[list[str]], list[torch.Tensor]]
+# Around each stage ("embeddings", "denoise", "decode"), ended once the stage's device work is done: the worker passes
+# a span (shared/tracing.py).
+StageScope = Callable[[str], AbstractContextManager[Any]]
 
 
 class PermanentRenderError(Exception):
@@ -86,15 +90,20 @@ class VideoPipeline:
         return self.encoder.encode(texts)
 
     def generate(
-        self, spec: GenerationSpec, *, on_step: StepCallback | None = None, text_rows: TextRows | None = None
+        self,
+        spec: GenerationSpec,
+        *,
+        on_step: StepCallback | None = None,
+        text_rows: TextRows | None = None,
+        stage_scope: StageScope | None = None,
     ) -> RenderResult:
         """Render ``spec`` to uint8 RGB frames.
 
         ``text_rows`` gives the prompt's (and negative prompt's) embedding rows; by default the pipeline's own
-        encoder computes them. ``on_step(done, total)`` runs after every denoising step. Whatever it raises (a
-        cancelled job's ``JobCancelled``) stops the render at once and propagates unchanged; its intermediate
-        tensors are released before the exception leaves. A ``ValueError`` from the model becomes
-        ``PermanentRenderError``.
+        encoder computes them. ``stage_scope(name)`` wraps each stage ("embeddings", "denoise", "decode").
+        ``on_step(done, total)`` runs after every denoising step. Whatever it raises (a cancelled job's
+        ``JobCancelled``) stops the render at once and propagates unchanged; its intermediate tensors are released
+        before the exception leaves. A ``ValueError`` from the model becomes ``PermanentRenderError``.
         """
         cuda = self.device.type == "cuda"
         if cuda:
@@ -103,7 +112,12 @@ class VideoPipeline:
         timings: dict[str, float] = {}
         try:
             frames = self._render(
-                spec, text_rows or self.encode_texts, on_step=on_step, from_on_step=from_on_step, timings=timings
+                spec,
+                text_rows or self.encode_texts,
+                on_step=on_step,
+                from_on_step=from_on_step,
+                timings=timings,
+                scope=stage_scope or _no_scope,
             )
         except BaseException as exc:
             # The traceback pins every frame it passed through, and with them the latents, embeddings and
@@ -133,21 +147,25 @@ class VideoPipeline:
         on_step: StepCallback | None,
         from_on_step: list[BaseException],
         timings: dict[str, float],
+        scope: StageScope,
     ) -> np.ndarray:
         with torch.inference_mode():
             started = stage = self._clock()
 
             # 1. Encode the prompt (and the negative prompt when classifier-free guidance is on).
-            prompt_embeds, negative_embeds = self._encode_text(spec, text_rows)
-            timings["encode_text"], stage = self._lap(stage)
+            with scope("embeddings"):
+                prompt_embeds, negative_embeds = self._encode_text(spec, text_rows)
+                timings["encode_text"], stage = self._lap(stage)
 
             # 2. Denoise in latent space, reporting each step.
-            latents = self._denoise(spec, prompt_embeds, negative_embeds, on_step, from_on_step)
-            timings["denoise"], stage = self._lap(stage)
+            with scope("denoise"):
+                latents = self._denoise(spec, prompt_embeds, negative_embeds, on_step, from_on_step)
+                timings["denoise"], stage = self._lap(stage)
 
             # 3. Decode the latents to pixels with the VAE.
-            video = self._decode(latents)
-            timings["decode"], stage = self._lap(stage)
+            with scope("decode"):
+                video = self._decode(latents)
+                timings["decode"], stage = self._lap(stage)
 
             # 4. Convert to uint8 frames, (F, H, W, 3).
             frames = _to_uint8(video)
@@ -219,6 +237,10 @@ class VideoPipeline:
     def _lap(self, since: float) -> tuple[float, float]:
         now = self._clock()
         return now - since, now
+
+
+def _no_scope(_stage: str) -> AbstractContextManager[None]:
+    return nullcontext()
 
 
 def _release_locals(tb: TracebackType | None) -> None:

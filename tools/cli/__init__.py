@@ -228,9 +228,11 @@ def sweep(once: Annotated[bool, typer.Option("--once/--forever")] = False) -> No
     from shared.config import get_settings
     from shared.db import session_factory
     from shared.logs import configure_logging
+    from shared.tracing import setup_tracing
 
     settings = get_settings()
     configure_logging(level=settings.log_level, json_logs=settings.log_json)
+    setup_tracing("vidq-sweeper", settings)  # its re-sends join their jobs' traces (nothing when tracing is off)
     sweeper = Sweeper(settings, celery=make_celery(settings), sessions=session_factory(settings))
     if once:
         typer.echo(json.dumps(sweeper.sweep_once().__dict__, default=str))
@@ -270,9 +272,11 @@ def prewarmer(once: Annotated[bool, typer.Option("--once/--forever")] = False) -
     from services.prewarmer.service import Prewarmer, load_encoders
     from shared.config import get_settings
     from shared.logs import configure_logging
+    from shared.tracing import setup_tracing
 
     settings = get_settings()
     configure_logging(level=settings.log_level, json_logs=settings.log_json)
+    setup_tracing("vidq-prewarmer", settings)  # nothing when tracing is off
     service = Prewarmer(settings, encoders=load_encoders(settings))
     if once:
         report = service.cycle()

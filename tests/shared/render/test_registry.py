@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +12,10 @@ import numpy as np
 import pytest
 import torch
 from diffusers import WanPipeline
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
 
 from shared.render.pipeline import PermanentRenderError, RenderResult, VideoPipeline
 from shared.render.precision import resolve_device
@@ -280,3 +286,56 @@ def test_memory_mode_is_part_of_the_key_and_an_out_of_memory_fallback_sticks_to_
         assert get_pipeline(PipelineKey(TINY_WAN, "float32", "cpu")) is not resident  # the resident one was dropped
     finally:
         clear_pipeline_cache()
+
+
+def test_stage_scope_wraps_each_stage_in_order(tiny: VideoPipeline, reference: RenderResult) -> None:
+    events: list[tuple[str, object]] = []
+
+    @contextmanager
+    def scope(name: str) -> Iterator[None]:
+        events.append(("start", name))
+        try:
+            yield
+        finally:
+            events.append(("end", name))
+
+    result = tiny.generate(make_spec(), on_step=lambda done, _: events.append(("step", done)), stage_scope=scope)
+    assert events == [
+        ("start", "embeddings"),
+        ("end", "embeddings"),
+        ("start", "denoise"),
+        *[("step", i) for i in range(1, STEPS + 1)],
+        ("end", "denoise"),
+        ("start", "decode"),
+        ("end", "decode"),
+    ]
+    assert np.array_equal(result.frames, reference.frames)
+
+
+def test_a_cancel_in_a_traced_stage_ends_its_span_and_still_frees_the_render_tensors(
+    tiny: VideoPipeline, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("test")
+    latents: list[weakref.ref[torch.Tensor]] = []
+    step = tiny.pipe.scheduler.step
+
+    def recording_step(*args: Any, **kwargs: Any) -> Any:
+        out = step(*args, **kwargs)
+        latents.append(weakref.ref(out[0]))
+        return out
+
+    def cancel(done: int, total: int) -> None:
+        raise Cancelled
+
+    monkeypatch.setattr(tiny.pipe.scheduler, "step", recording_step)
+    with pytest.raises(Cancelled):
+        tiny.generate(make_spec(), on_step=cancel, stage_scope=lambda name: tracer.start_as_current_span(name))
+    assert latents and all(ref() is None for ref in latents)
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert set(spans) == {"embeddings", "denoise"}  # decode never started
+    assert spans["denoise"].status.status_code is StatusCode.ERROR
+    recorded = [str(e.attributes["exception.type"]) for e in spans["denoise"].events if e.attributes]
+    assert [r.rsplit(".", 1)[-1] for r in recorded] == ["Cancelled"]

@@ -1,0 +1,276 @@
+"""The README cannot drift: its commands run against a real stack, and what it shows them print is what they print.
+
+Rules (README.md has a short contributor note that points here):
+
+1. Which blocks run. Every ```bash and ```python fenced block runs, in README order, unless it contains one of the
+   substrings listed in NOT_RUN (each with its reason; the test fails if an entry matches no block, so the list
+   cannot rot). Other fences (```text, ```json, a bare ``` for diagrams …) never run. ```sh, ```shell, ```console,
+   ```py and the like are refused: a runnable-looking block is either run or listed in NOT_RUN.
+2. One session. The blocks run as one shell-like session in a fresh directory: a ```bash block is one bash
+   script under `set -euo pipefail` (any failing command fails it); its variables (exported or not), environment
+   and working directory carry into the next blocks. A ```python block is its own program (`python file`), with the
+   session's environment and directory; it carries nothing. stdin is empty.
+3. Foreground servers. A bash line whose command starts with a key of BACKGROUND (`vidq up`) runs in the background;
+   the session goes on once the file named there exists (`.vidq/env`, written when the stack is up) and stops it
+   (SIGTERM) at the end. The README's `source .venv/bin/activate` activates a shim venv whose `vidq` and `python`
+   run this checkout.
+4. Shown output. Lines starting with `# →` (at the start of the line in python blocks) show what the commands above
+   them printed to stdout since the previous `# →` group (or the start of the block). stderr is never compared.
+   - If the shown text starts with `{` or `[` it is JSON: the printed stdout must be one JSON value, compared on the
+     keys shown (objects may have more keys, lists must have the shown length); `"…"` or a bare `…` as a value
+     matches any value, `{…}` / `[…]` any object / list, a trailing `, …` just says there are more keys, and `…`
+     inside a string matches any characters (`"vidq_…"`). Everything else is compared exactly (numbers too).
+   - Otherwise it is text, compared line by line with trailing spaces and leading/trailing blank lines ignored:
+     `…` in a line matches any characters within that line, a line that is only `…` matches any number of lines.
+5. Time. Each block has BLOCK_TIMEOUT_S; generate with small settings (tiny-wan at 256×256, 8 steps and less) so
+   the whole README runs in a few minutes on two CPU cores.
+
+The session's environment isolates it from other stacks on the machine (see `_session_env`): its own database,
+broker key prefix, ports and liveness files. Nothing else about the commands is changed.
+
+Static checks (no stack) also hold the prose to the code: every `VIDQ_…` name is a setting or a CLI option's
+variable, every repository path and `python -m` module exists, and every `vidq …` command with its `--flags`
+(inline or in a block) exists.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.integration.helpers import free_port
+from tests.integration.readme_runner import (
+    RUN_LANGUAGES,
+    Block,
+    Piece,
+    Session,
+    fenced_blocks,
+    inline_code,
+    split_pieces,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+
+NOT_RUN = {
+    "make demo": "the fresh-machine set-up (creates .venv, runs a whole stack of its own); `make test` would recurse",
+    "docker compose": "no container engine on test machines; tests/deploy validates docker-compose.yml",
+    "kubectl": "needs a Kubernetes cluster; tests/deploy validates deploy/k8s",
+}
+BACKGROUND = {"vidq up": ".vidq/env"}
+LOOKALIKE_LANGUAGES = {"sh", "shell", "console", "zsh", "py", "python3", "pycon", "shell-session", "bash-session"}
+BLOCK_TIMEOUT_S = 240.0
+STACK_START_TIMEOUT_S = 300.0
+
+
+def readme_blocks() -> list[Block]:
+    return fenced_blocks(README.read_text())
+
+
+def runs(block: Block) -> bool:
+    return block.language in RUN_LANGUAGES and not any(key in block.content for key in NOT_RUN)
+
+
+def test_every_not_run_entry_matches_a_block_and_no_block_hides_behind_a_lookalike_fence() -> None:
+    blocks = readme_blocks()
+    for key, reason in NOT_RUN.items():
+        assert any(key in b.content for b in blocks if b.language in RUN_LANGUAGES), f"NOT_RUN {key!r} ({reason})"
+    lookalikes = [b.where() for b in blocks if b.language in LOOKALIKE_LANGUAGES]
+    assert not lookalikes, f"use ```bash or ```python (listed in NOT_RUN if it cannot run here): {lookalikes}"
+    assert any(runs(b) for b in blocks)
+
+
+def test_every_vidq_setting_named_exists() -> None:
+    from shared.config import Settings
+
+    text = README.read_text()
+    known = {f"VIDQ_{name.upper()}" for name in Settings.model_fields} | _cli_envvars()
+    named = set(re.findall(r"VIDQ_[A-Z0-9_]*[A-Z0-9]\b(?!_\*)", text))
+    prefixes = set(re.findall(r"(VIDQ_[A-Z0-9_]+_)\*", text))
+    assert named - known == set(), "README names settings that do not exist"
+    assert {p for p in prefixes if not any(k.startswith(p) for k in known)} == set()
+
+
+def test_every_path_and_module_named_exists() -> None:
+    text = README.read_text()
+    spans = inline_code(text) + [b.content for b in readme_blocks()]
+    tops = ("shared/", "services/", "tools/", "tests/", "benchmarks/", "deploy/", "docker/", "migrations/")
+    paths = {
+        token.rstrip(".,;:)")
+        for span in spans
+        for token in re.findall(r"[\w./-]+", span)
+        if token.startswith(tops) and "…" not in token
+    }
+    paths |= {p for p in ("docker-compose.yml", ".env.example", "Makefile", "pyproject.toml") if f"`{p}`" in text}
+    missing = sorted(p for p in paths if not (ROOT / p).exists())
+    modules = set(re.findall(r"python -m\s+([\w.]+)", text))
+    missing += sorted(m for m in modules if not _module_exists(m))
+    assert not missing, f"README names paths or modules that do not exist: {missing}"
+
+
+def test_every_vidq_command_and_flag_named_exists() -> None:
+    import typer.main
+
+    from tools.cli import app
+
+    root = typer.main.get_command(app)
+    text = README.read_text()
+    candidates = [s for s in inline_code(text) if s.startswith("vidq ")]
+    at_command = r"(?:^\s*|\bexec \S+ |[;&|(]\s*)(vidq [^#\n|&;)]*)"  # `vidq` where a shell runs it
+    candidates += [m for b in readme_blocks() if b.language == "bash" for m in re.findall(at_command, b.content, re.M)]
+    problems = []
+    for usage in candidates:
+        words = usage.split()[1:]
+        command = root
+        while hasattr(command, "commands") and words and words[0] in command.commands:
+            command = command.commands[words.pop(0)]
+        if hasattr(command, "commands"):
+            problems.append(f"{usage!r}: no such command")
+            continue
+        options = {opt for p in command.params for opt in (*p.opts, *getattr(p, "secondary_opts", []))}
+        for flag in re.findall(r"--[a-z][a-z0-9-]*", " ".join(words)):
+            if flag not in options:
+                problems.append(f"{usage!r}: `vidq {command.name}` has no {flag}")
+    assert candidates
+    assert not problems, problems
+
+
+# --- the README, run ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def session(tmp_path: Path) -> Iterator[Session]:
+    token = uuid.uuid4().hex[:10]
+    home = tmp_path / "readme"
+    home.mkdir()
+    _shim_venv(home / ".venv")
+    env, cleanup = _session_env(tmp_path, token)
+    s = Session(cwd=home, env=env, work=tmp_path / "session", python=sys.executable, timeout_s=BLOCK_TIMEOUT_S)
+    try:
+        yield s
+    finally:
+        killed = s.stop_background(grace_s=90)
+        leftovers = _kill_leftovers(token)
+        cleanup()
+    assert not killed, f"did not stop on SIGTERM within 90 s: {killed}"
+    assert not leftovers, f"processes left running after the stack stopped (killed now): {leftovers}"
+
+
+def test_readme_runs_and_shows_what_it_prints(session: Session) -> None:
+    ran = 0
+    for block in readme_blocks():
+        if not runs(block):
+            continue
+        for item in split_pieces(block, background=BACKGROUND):
+            if isinstance(item, Piece):
+                session.run_piece(block, item)
+            else:
+                line, command = item
+                key = next(k for k in BACKGROUND if command.startswith(k))
+                session.start_background(
+                    block, line, command, ready_path=BACKGROUND[key], timeout_s=STACK_START_TIMEOUT_S
+                )
+        ran += 1
+    assert ran >= 3 and session.background, "the README's stack block did not run"
+
+
+def _shim_venv(venv: Path) -> None:
+    """`.venv/bin/activate` puts `vidq` and `python` of this checkout on PATH, as `make demo`'s venv would."""
+    bin_dir = venv / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "python").symlink_to(sys.executable)
+    vidq = bin_dir / "vidq"
+    vidq.write_text(f'#!/bin/sh\nexec {sys.executable} -m tools.cli "$@"\n')
+    vidq.chmod(0o755)
+    (bin_dir / "activate").write_text(f'VIRTUAL_ENV={venv}\nexport VIRTUAL_ENV\nPATH="{bin_dir}:$PATH"\nexport PATH\n')
+
+
+def _session_env(tmp_path: Path, token: str) -> tuple[dict[str, str], object]:
+    """The caller's environment without any VIDQ_ setting, plus what keeps this stack apart from others on the
+    machine: a database of its own (dropped after), a broker key prefix (its keys deleted after), free ports, its
+    own worker liveness file, and a short worker shutdown grace."""
+    from tests.conftest import _delete_broker_keys, _drop_database
+    from tools.devstack import ensure_database
+
+    pg = os.environ.get("VIDQ_TEST_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
+    redis_url = os.environ.get("VIDQ_TEST_REDIS", "redis://127.0.0.1:6379/13")
+    db_name = f"vidq_readme_{token}"
+    database_url = pg.rsplit("/", 1)[0] + f"/{db_name}"
+    ensure_database(database_url)
+    prefix = f"vidq-readme-{token}:"
+    api_port, flower_port = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VIDQ_")}
+    env.update(
+        {
+            "PYTHONPATH": str(ROOT),
+            "PYTHONUNBUFFERED": "1",
+            "HF_HUB_OFFLINE": "1",
+            "VIDQ_README_RUN": token,  # how leftovers are found (_kill_leftovers)
+            "VIDQ_DATABASE_URL": database_url,
+            "VIDQ_DB_POOL_SIZE": "4",  # Postgres' connections are shared with other suites
+            "VIDQ_BROKER_URL": redis_url,
+            "VIDQ_BROKER_KEY_PREFIX": prefix,
+            "VIDQ_API_PORT": str(api_port),
+            "VIDQ_PUBLIC_BASE_URL": f"http://127.0.0.1:{api_port}",
+            "VIDQ_FLOWER_PORT": str(flower_port),
+            "VIDQ_WORKER_METRICS_PORT": "0",
+            "VIDQ_PREWARMER_METRICS_PORT": "0",
+            "VIDQ_WORKER_SHUTDOWN_GRACE_S": "30",
+        }
+    )
+
+    def cleanup() -> None:
+        from shared.db import dispose_engines
+
+        dispose_engines()
+        _drop_database(pg, db_name)
+        _delete_broker_keys(redis_url, prefix)
+
+    return env, cleanup
+
+
+def _kill_leftovers(token: str) -> list[str]:
+    """SIGKILL, by pid, any process still carrying this session's VIDQ_README_RUN (what `vidq up` started)."""
+    needle = f"VIDQ_README_RUN={token}".encode()
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            if needle in (proc / "environ").read_bytes().split(b"\0"):
+                cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                found.append(f"{proc.name} {cmdline[:120]}")
+                os.kill(int(proc.name), signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            continue
+    return found
+
+
+def _cli_envvars() -> set[str]:
+    import typer.main
+
+    from tools.cli import app
+
+    names: set[str] = set()
+
+    def walk(command: object) -> None:
+        for param in getattr(command, "params", []):
+            envvar = param.envvar
+            names.update([envvar] if isinstance(envvar, str) else list(envvar or []))
+        for sub in getattr(command, "commands", {}).values():
+            walk(sub)
+
+    walk(typer.main.get_command(app))
+    return names
+
+
+def _module_exists(module: str) -> bool:
+    path = ROOT / module.replace(".", "/")
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()

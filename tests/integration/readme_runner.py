@@ -160,9 +160,13 @@ def json_mismatches(expected: Any, actual: Any, path: str = "$") -> list[str]:
             for i, (e, a) in enumerate(zip(expected, actual, strict=True))
             for m in json_mismatches(e, a, f"{path}[{i}]")
         ]
-    if type(expected) is not type(actual) and not (
-        isinstance(expected, int | float) and isinstance(actual, int | float) and not isinstance(actual, bool)
-    ):
+    numbers = (int, float)
+    same_kind = (
+        type(expected) is type(actual)
+        if isinstance(expected, bool) or isinstance(actual, bool) or not isinstance(expected, numbers)
+        else isinstance(actual, numbers)
+    )
+    if not same_kind:
         return [f"{path}: expected {expected!r}, got {actual!r}"]
     return [] if expected == actual else [f"{path}: expected {expected!r}, got {actual!r}"]
 

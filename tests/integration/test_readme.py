@@ -53,6 +53,7 @@ from tests.integration.readme_runner import (
     Session,
     fenced_blocks,
     inline_code,
+    output_mismatch,
     split_pieces,
 )
 
@@ -140,6 +141,24 @@ def test_every_vidq_command_and_flag_named_exists() -> None:
                 problems.append(f"{usage!r}: `vidq {command.name}` has no {flag}")
     assert candidates
     assert not problems, problems
+
+
+def test_shown_output_placeholders_match_what_they_say_and_nothing_else() -> None:
+    shown = '{"id": "…", "key": "vidq_…", "score": {"value": 0.32}, "links": {…}, "n": …, …}'
+    printed = '{"id": 7, "key": "vidq_abc", "score": {"value": 0.32, "extra": 1}, "links": {"a": "b"}, "n": null}'
+    assert output_mismatch(shown, printed) is None
+    assert output_mismatch(shown, printed.replace("0.32", "0.54")) == "$.score.value: expected 0.32, got 0.54"
+    assert output_mismatch(shown, printed.replace("vidq_abc", "sk_abc")) is not None
+    assert output_mismatch(shown, printed.replace('"n": null', '"m": null')) is not None  # a shown key is missing
+    assert output_mismatch('{"data": […]}', '{"data": [1, 2]}') is None
+    assert output_mismatch("[1, 2]", "[1, 2, 3]") is not None
+    assert output_mismatch('{"a": true}', '{"a": 1}') is not None
+    assert output_mismatch('{"a": 1}', "not json") is not None
+    assert output_mismatch("alive\nalive", "alive\nalive\n\n") is None
+    assert output_mismatch("alive\nalive", "alive\ndead") is not None
+    assert output_mismatch("…\nevent: job\ndata: {…}", "event: a\ndata: 1\n\nevent: job\ndata: {x}") is None
+    assert output_mismatch("…\nevent: job", "event: job\ndata: 1") is not None  # `…` lines, not trailing text
+    assert output_mismatch("….mp4", "a.mp4\nb.mp4") is not None  # `…` within a line stays within it
 
 
 # --- the README, run ---------------------------------------------------------------------------------------------

@@ -257,13 +257,15 @@ class Session:
             )
         except subprocess.TimeoutExpired as exc:
             what = f"did not finish within {self.timeout_s:.0f} s"
-            raise BlockFailed(_report(block, piece, what, _text(exc.stdout), _text(exc.stderr))) from None
+            stdout = _unmarked(_text(exc.stdout), token)
+            raise BlockFailed(_report(block, piece, what, stdout, _text(exc.stderr))) from None
         if result.returncode != 0:
             failed = re.findall(r"^@@readme-err (\d+)@@$", result.stderr, re.MULTILINE)
             what = f"exited with status {result.returncode}"
             if failed:
                 what += f"; the command that failed is on README.md:{failed[-1]}: {block.line(int(failed[-1])).strip()}"
-            raise BlockFailed(_report(block, piece, what, result.stdout, result.stderr))
+            stderr = re.sub(r"^@@readme-err \d+@@\n", "", result.stderr, flags=re.MULTILINE)
+            raise BlockFailed(_report(block, piece, what, _unmarked(result.stdout, token), stderr))
         if bash:
             self._load_state(n)
         printed = _printed_by_line(result.stdout, token)
@@ -405,6 +407,10 @@ def _printed_by_line(stdout: str, token: str) -> list[tuple[int, str]]:
     """stdout cut at the markers printed before each command: (README line of the command, what it printed)."""
     parts = re.split(rf"\n@@readme-{token} (\d+)@@\n", stdout)
     return [(int(parts[i]), parts[i + 1]) for i in range(1, len(parts) - 1, 2)]
+
+
+def _unmarked(stdout: str, token: str) -> str:
+    return "".join(text for _, text in _printed_by_line(stdout, token))
 
 
 def _q(path: Path) -> str:

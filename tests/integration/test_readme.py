@@ -40,7 +40,7 @@ import re
 import signal
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -49,6 +49,7 @@ from tests.integration.helpers import free_port
 from tests.integration.readme_runner import (
     RUN_LANGUAGES,
     Block,
+    BlockFailed,
     Piece,
     Session,
     fenced_blocks,
@@ -161,6 +162,21 @@ def test_shown_output_placeholders_match_what_they_say_and_nothing_else() -> Non
     assert output_mismatch("….mp4", "a.mp4\nb.mp4") is not None  # `…` within a line stays within it
 
 
+def test_a_failing_block_names_its_readme_line_and_shows_its_output(tmp_path: Path) -> None:
+    code = 'X=1\necho "out $X"\nls \\\n  /no/such/dir 2>/dev/null || false\necho never\n'
+    block = Block("bash", 10, code)
+    session = Session(cwd=tmp_path, env=dict(os.environ), work=tmp_path / "s", python=sys.executable)
+    (piece,) = split_pieces(block, background=BACKGROUND)
+    assert isinstance(piece, Piece)
+    with pytest.raises(BlockFailed) as failed:
+        session.run_piece(block, piece)
+    message = str(failed.value)
+    assert message.startswith("README.md:10 (```bash block, lines 10-14)")
+    # bash's line of a command continued with a backslash is the line its last part is on
+    assert "the command that failed is on README.md:13: /no/such/dir 2>/dev/null || false" in message
+    assert "--- stdout ---\nout 1\n\n--- stderr ---\n" in message  # echo never ran
+
+
 # --- the README, run ---------------------------------------------------------------------------------------------
 
 
@@ -211,7 +227,7 @@ def _shim_venv(venv: Path) -> None:
     (bin_dir / "activate").write_text(f'VIRTUAL_ENV={venv}\nexport VIRTUAL_ENV\nPATH="{bin_dir}:$PATH"\nexport PATH\n')
 
 
-def _session_env(tmp_path: Path, token: str) -> tuple[dict[str, str], object]:
+def _session_env(tmp_path: Path, token: str) -> tuple[dict[str, str], Callable[[], None]]:
     """The caller's environment without any VIDQ_ setting, plus what keeps this stack apart from others on the
     machine: a database of its own (dropped after), a broker key prefix (its keys deleted after), free ports, its
     own worker liveness file, and a short worker shutdown grace."""

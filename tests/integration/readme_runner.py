@@ -345,11 +345,12 @@ class Session:
             time.sleep(0.5)
 
     def stop_background(self, *, grace_s: float) -> list[str]:
-        """SIGTERM each background command's group, SIGKILL it after ``grace_s``; returns what had to be killed."""
+        """SIGINT (what Ctrl-C sends) to each background command's group, SIGKILL after ``grace_s``; returns what
+        had to be killed."""
         killed = []
         for proc in self.background:
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
+                os.killpg(proc.pid, signal.SIGINT)
                 try:
                     proc.wait(grace_s)
                 except subprocess.TimeoutExpired:

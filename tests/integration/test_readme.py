@@ -7,21 +7,26 @@ Rules (README.md has a short contributor note that points here):
    cannot rot). Other fences (```text, ```json, a bare ``` for diagrams …) never run. ```sh, ```shell, ```console,
    ```py and the like are refused: a runnable-looking block is either run or listed in NOT_RUN.
 2. One session. The blocks run as one shell-like session in a fresh directory: a ```bash block is one bash
-   script under `set -euo pipefail` (any failing command fails it); its variables (exported or not), environment
-   and working directory carry into the next blocks. A ```python block is its own program (`python file`), with the
-   session's environment and directory; it carries nothing. stdin is empty.
-3. Foreground servers. A bash line whose command starts with a key of BACKGROUND (`vidq up`) runs in the background;
-   the session goes on once the file named there exists (`.vidq/env`, written when the stack is up) and stops it
-   (SIGTERM) at the end. The README's `source .venv/bin/activate` activates a shim venv whose `vidq` and `python`
-   run this checkout.
-4. Shown output. Lines starting with `# →` (at the start of the line in python blocks) show what the commands above
-   them printed to stdout since the previous `# →` group (or the start of the block). stderr is never compared.
-   - If the shown text starts with `{` or `[` it is JSON: the printed stdout must be one JSON value, compared on the
-     keys shown (objects may have more keys, lists must have the shown length); `"…"` or a bare `…` as a value
+   script under `set -euo pipefail` (any failing command fails the block); its variables (exported or not),
+   environment and working directory carry into the next blocks. A ```python block is one program (the session's
+   environment and directory, run statement by statement in one namespace, `__name__ == "__main__"`); it carries
+   nothing to the next block. stdin is empty. Errors and tracebacks name README line numbers.
+3. Foreground servers. A bash line whose command starts with a key of BACKGROUND (`vidq up`) runs in the
+   background; the session goes on once the file named there exists (`.vidq/env`, written when the stack is up),
+   and stops it at the end with SIGINT, as Ctrl-C would: it must exit within 90 s and leave no process behind.
+   The README's `source .venv/bin/activate` activates a shim venv whose `vidq` and `python` run this checkout.
+4. Shown output. Lines starting with `# →` (at the start of the line in python blocks) show what the command right
+   above them printed to stdout: in bash the last command that starts above (a pipeline, `a && b`, and lines
+   joined by a trailing backslash or an open quote are one command; put a loop on one line), in python the last
+   top-level statement. What other commands print is not compared, nor is stderr (progress bars, logs).
+   - If the shown text starts with `{` or `[` it is JSON: the printed stdout must be one JSON value, compared on
+     the keys shown (objects may have more keys, lists must have the shown length); `"…"` or a bare `…` as a value
      matches any value, `{…}` / `[…]` any object / list, a trailing `, …` just says there are more keys, and `…`
-     inside a string matches any characters (`"vidq_…"`). Everything else is compared exactly (numbers too).
+     inside a string matches any characters (`"vidq_…"`). Everything else is compared exactly (numbers too, and a
+     bool is not a number). Shown JSON that does not parse fails the test.
    - Otherwise it is text, compared line by line with trailing spaces and leading/trailing blank lines ignored:
      `…` in a line matches any characters within that line, a line that is only `…` matches any number of lines.
+   Show only what is the same on every run: ids, times, URLs, seeds become `…`.
 5. Time. Each block has BLOCK_TIMEOUT_S; generate with small settings (tiny-wan at 256×256, 8 steps and less) so
    the whole README runs in a few minutes on two CPU cores.
 
@@ -177,6 +182,23 @@ def test_a_failing_block_names_its_readme_line_and_shows_its_output(tmp_path: Pa
     assert "--- stdout ---\nout 1\n\n--- stderr ---\n" in message  # echo never ran
 
 
+def test_shown_output_is_what_the_command_right_above_printed(tmp_path: Path) -> None:
+    session = Session(cwd=tmp_path, env=dict(os.environ), work=tmp_path / "s", python=sys.executable)
+    bash = Block(
+        "bash", 5, "echo noise\nprintf 'a\\n' \\\n  | tr a b\n# → b\nN=2\necho \"n=$N\"; echo x\n# → n=2\n# → x\n"
+    )
+    python = Block("python", 20, "import os\nprint('noise')\nfor i in range(2):\n    print(i)\n# → 0\n# → 1\n")
+    for block in (bash, python):
+        (piece,) = split_pieces(block, background=BACKGROUND)
+        assert isinstance(piece, Piece)
+        session.run_piece(block, piece)  # raises BlockFailed on a mismatch
+    wrong = Block("python", 30, "print('noise')\nprint(1)\n# → noise\n")
+    (piece,) = split_pieces(wrong, background=BACKGROUND)
+    assert isinstance(piece, Piece)
+    with pytest.raises(BlockFailed, match=r"^README.md:32: the output shown does not match what README.md:31 printed"):
+        session.run_piece(wrong, piece)
+
+
 # --- the README, run ---------------------------------------------------------------------------------------------
 
 
@@ -194,7 +216,7 @@ def session(tmp_path: Path) -> Iterator[Session]:
         killed = s.stop_background(grace_s=90)
         leftovers = _kill_leftovers(token)
         cleanup()
-    assert not killed, f"did not stop on SIGTERM within 90 s: {killed}"
+    assert not killed, f"did not stop on SIGINT (Ctrl-C) within 90 s: {killed}"
     assert not leftovers, f"processes left running after the stack stopped (killed now): {leftovers}"
 
 

@@ -34,8 +34,9 @@ The session's environment isolates it from other stacks on the machine (see `_se
 broker key prefix, ports and liveness files. Nothing else about the commands is changed.
 
 Static checks (no stack) also hold the prose to the code: every `VIDQ_…` name is a setting or a CLI option's
-variable, every repository path and `python -m` module exists, and every `vidq …` command with its `--flags`
-(inline or in a block) exists.
+variable; every repository path and `python -m` module exists; every `vidq …` command with its `--flags` (inline
+or in a block) exists; every `vidq_…` metric is defined in the code, every `vidq-…` Kubernetes object in deploy/
+and every compose service named in docker-compose.yml.
 """
 
 from __future__ import annotations
@@ -120,6 +121,25 @@ def test_every_path_and_module_named_exists() -> None:
     modules = set(re.findall(r"python -m\s+([\w.]+)", text))
     missing += sorted(m for m in modules if not _module_exists(m))
     assert not missing, f"README names paths or modules that do not exist: {missing}"
+
+
+def test_every_metric_compose_service_and_k8s_object_named_exists() -> None:
+    import yaml
+
+    text = README.read_text()
+    code = "\n".join(p.read_text() for top in ("shared", "services", "tools") for p in (ROOT / top).rglob("*.py"))
+    metrics = set(re.findall(r"`(vidq_[a-z0-9_]+)(?:\{[^`]*\})?`", text))
+    # prometheus_client adds _total to a Counter's name
+    missing = [m for m in metrics if f'"{m}"' not in code and f'"{m.removesuffix("_total")}"' not in code]
+    manifests = "\n".join(p.read_text() for p in (ROOT / "deploy").rglob("*.yaml"))
+    objects = set(re.findall(r"(?:deployment/|`)(vidq-[a-z0-9-]+)", text))
+    missing += [o for o in objects if not re.search(rf"^\s*name: {o}$", manifests, re.MULTILINE)]
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    named = set(re.findall(r"compose(?:'s)? (?:service )?`([a-z0-9-]+)`", text))
+    named |= {"redis-cache"} if "`redis-cache`" in text else set()
+    missing += [f"compose service {s}" for s in named if s not in services]
+    assert metrics and objects and named
+    assert not missing, f"README names what the code, deploy/ or docker-compose.yml do not have: {sorted(missing)}"
 
 
 def test_every_vidq_command_and_flag_named_exists() -> None:

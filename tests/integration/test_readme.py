@@ -295,7 +295,6 @@ def _session_env(tmp_path: Path, token: str) -> tuple[dict[str, str], Callable[[
             "VIDQ_BROKER_URL": redis_url,
             "VIDQ_BROKER_KEY_PREFIX": prefix,
             "VIDQ_API_PORT": str(api_port),
-            "VIDQ_PUBLIC_BASE_URL": f"http://127.0.0.1:{api_port}",
             "VIDQ_FLOWER_PORT": str(flower_port),
             "VIDQ_WORKER_METRICS_PORT": "0",
             "VIDQ_PREWARMER_METRICS_PORT": "0",

@@ -60,6 +60,8 @@ def running_stack(
         console.print(f"[dim]postgres {urls.database_url}\nredis    {urls.broker_url}\ns3       {urls.s3_endpoint}[/]")
         subprocess.run(vidq_argv("migrate"), env=env, check=True, timeout=120)
         api_url = f"http://{settings.api_host}:{settings.api_port}"
+        if "public_base_url" not in settings.model_fields_set:  # the jobs' links point at this API, on any port
+            group.env["VIDQ_PUBLIC_BASE_URL"] = api_url
         group.start("api", vidq_argv("api", "--no-migrate"))
         # Its own process, as in compose and k8s (the API does not run it: VIDQ_SWEEPER_IN_API defaults to false).
         sweeper_alive.unlink(missing_ok=True)

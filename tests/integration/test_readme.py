@@ -33,10 +33,11 @@ Rules (README.md has a short contributor note that points here):
 The session's environment isolates it from other stacks on the machine (see `_session_env`): its own database,
 broker key prefix, ports and liveness files. Nothing else about the commands is changed.
 
-Static checks (no stack) also hold the prose to the code: every `VIDQ_…` name is a setting or a CLI option's
-variable; every repository path and `python -m` module exists; every `vidq …` command with its `--flags` (inline
-or in a block) exists; every `vidq_…` metric is defined in the code, every `vidq-…` Kubernetes object in deploy/
-and every compose service named in docker-compose.yml.
+Static checks (no stack) also hold the prose to the code: every `VIDQ_…` name is a setting, a CLI option's
+variable or a variable a test reads (`os.environ.get("VIDQ_…")`); every repository path and `python -m` module
+(or installed module) exists; every `vidq …` command with its `--flags` (inline or in a block) exists; every
+`vidq_…` metric is defined in the code, every `vidq-…` Kubernetes object in deploy/ and every compose service
+named in docker-compose.yml.
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def test_every_vidq_setting_named_exists() -> None:
     from shared.config import Settings
 
     text = README.read_text()
-    known = {f"VIDQ_{name.upper()}" for name in Settings.model_fields} | _cli_envvars()
+    known = {f"VIDQ_{name.upper()}" for name in Settings.model_fields} | _cli_envvars() | _test_knobs()
     named = set(re.findall(r"VIDQ_[A-Z0-9_]*[A-Z0-9]\b(?!_\*)", text))
     prefixes = set(re.findall(r"(VIDQ_[A-Z0-9_]+_)\*", text))
     assert named - known == set(), "README names settings that do not exist"
@@ -347,6 +348,17 @@ def _cli_envvars() -> set[str]:
     return names
 
 
+def _test_knobs() -> set[str]:
+    """VIDQ_ variables a test reads itself (``os.environ.get("VIDQ_…")``), such as where to save a screenshot."""
+    reads = r"""os\.environ(?:\.get\(|\[)\s*["'](VIDQ_[A-Z0-9_]+)["']"""
+    return {name for p in (ROOT / "tests").rglob("*.py") for name in re.findall(reads, p.read_text())}
+
+
 def _module_exists(module: str) -> bool:
+    """A module of this repository (its file), or an installed one (``python -m pytest``)."""
     path = ROOT / module.replace(".", "/")
-    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+    if (ROOT / module.split(".")[0]).is_dir():
+        return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+    import importlib.util
+
+    return importlib.util.find_spec(module.split(".")[0]) is not None

@@ -15,6 +15,7 @@ Rules (README.md has a short contributor note that points here):
    background; the session goes on once the file named there exists (`.vidq/env`, written when the stack is up),
    and stops it at the end with SIGINT, as Ctrl-C would: it must exit within 90 s and leave no process behind.
    The README's `source .venv/bin/activate` activates a shim venv whose `vidq` and `python` run this checkout.
+   There is one stack: a block that would start another (`VAR=x vidq up`, `vidq demo`) belongs in NOT_RUN.
 4. Shown output. Lines starting with `# →` (at the start of the line in python blocks) show what the command right
    above them printed to stdout: in bash the last command that starts above (a pipeline, `a && b`, and lines
    joined by a trailing backslash or an open quote are one command; put a loop on one line), in python the last

@@ -28,3 +28,15 @@ def test_tiny_wan_denoises_each_preset_the_default_caps_admit(preset: str) -> No
     # (batch, z_dim, latent frames, H/8, W/8): the VAE's scale factors, temporal 4 and spatial 8.
     assert tuple(latents.shape) == (1, 16, 2, height // 8, width // 8)
     assert torch.isfinite(latents).all()
+
+
+def test_the_longer_rope_table_leaves_smaller_videos_unchanged() -> None:
+    from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
+
+    pipe = build_tiny_wan(device=torch.device("cpu"), dtype=torch.float32)
+    rope = pipe.transformer.rope
+    short = WanRotaryPosEmbed(rope.attention_head_dim, rope.patch_size, 32)  # the length diffusers' tests use
+    assert rope.max_seq_len > 32
+    assert torch.equal(rope.freqs_cos[:32], short.freqs_cos) and torch.equal(rope.freqs_sin[:32], short.freqs_sin)
+    # and nothing of it is stored with the weights
+    assert not any("freqs" in key for key in pipe.transformer.state_dict())

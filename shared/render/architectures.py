@@ -111,7 +111,10 @@ def build_tiny_wan(*, device: torch.device, dtype: torch.dtype, text_encoder: bo
             num_layers=2,
             cross_attn_norm=True,
             qk_norm="rms_norm_across_heads",
-            rope_max_seq_len=32,
+            # Positions per latent axis (diffusers' default). Its tests use 32, which caps a video at 512 pixels a
+            # side (32 patches of 16): 480p, the API's default size, failed at the first step. RoPE holds no
+            # weights, and the value at each position does not depend on this: smaller videos are unchanged.
+            rope_max_seq_len=1024,
         )
     scheduler = FlowMatchEulerDiscreteScheduler(shift=7.0)
     return _assemble(tokenizer, encoder, transformer, vae, scheduler, device=device, dtype=dtype)

@@ -54,11 +54,14 @@ def running_stack(
     env["VIDQ_SWEEPER_LIVENESS_FILE"] = str(sweeper_alive)
     prewarmer_alive = (state_dir / "prewarmer-alive").resolve()
     env["VIDQ_PREWARMER_LIVENESS_FILE"] = str(prewarmer_alive)
+    env["VIDQ_WORKER_LIVENESS_FILE"] = str((state_dir / "worker-alive").resolve())
     group = ProcessGroup(env=env, log_dir=state_dir / "logs")
     try:
         console.print(f"[dim]postgres {urls.database_url}\nredis    {urls.broker_url}\ns3       {urls.s3_endpoint}[/]")
         subprocess.run(vidq_argv("migrate"), env=env, check=True, timeout=120)
         api_url = f"http://{settings.api_host}:{settings.api_port}"
+        if "public_base_url" not in settings.model_fields_set:  # the jobs' links point at this API, on any port
+            group.env["VIDQ_PUBLIC_BASE_URL"] = api_url
         group.start("api", vidq_argv("api", "--no-migrate"))
         # Its own process, as in compose and k8s (the API does not run it: VIDQ_SWEEPER_IN_API defaults to false).
         sweeper_alive.unlink(missing_ok=True)
@@ -81,7 +84,9 @@ def running_stack(
         info = {"api": api_url, "flower": f"http://127.0.0.1:{flower_port}", "logs": str(group.log_dir)}
         (state_dir / "stack.json").write_text(json.dumps(info, indent=2))
         # Other shells reach the same (possibly embedded) services with `set -a; . .vidq/env; set +a`.
-        exports = stack.env() | {"VIDQ_API_URL": api_url}
+        # The liveness files too, so that `vidq worker-alive`, `sweep-alive` and `prewarmer-alive` there check ours.
+        liveness = ("VIDQ_WORKER_LIVENESS_FILE", "VIDQ_SWEEPER_LIVENESS_FILE", "VIDQ_PREWARMER_LIVENESS_FILE")
+        exports = stack.env() | {"VIDQ_API_URL": api_url} | {name: env[name] for name in liveness}
         (state_dir / "env").write_text("".join(f"{k}={shlex.quote(v)}\n" for k, v in sorted(exports.items())))
         yield env, group
         (state_dir / "env").unlink(missing_ok=True)
@@ -94,7 +99,7 @@ def running_stack(
 
 
 def up(
-    flower_port: Annotated[int, typer.Option()] = 5555,
+    flower_port: Annotated[int, typer.Option(envvar="VIDQ_FLOWER_PORT")] = 5555,
     state_dir: Annotated[Path, typer.Option()] = STATE_DIR,
 ) -> None:
     """Start the stack and keep it running until Ctrl-C."""

@@ -73,6 +73,10 @@ NOT_RUN = {
     "make demo": "the fresh-machine set-up (creates .venv, runs a whole stack of its own); `make test` would recurse",
     "docker compose": "no container engine on test machines; tests/deploy validates docker-compose.yml",
     "kubectl": "needs a Kubernetes cluster; tests/deploy validates deploy/k8s",
+    "tests/integration/test_console.py": "a test module with its own stack and a browser: the README test must not "
+    "recurse into the suite",
+    "jaegertracing/jaeger": "a container engine and a collector; tests/integration/test_traces.py checks the export "
+    "with a real OTLP/HTTP receiver",
 }
 BACKGROUND = {"vidq up": ".vidq/env"}
 LOOKALIKE_LANGUAGES = {"sh", "shell", "console", "zsh", "py", "python3", "pycon", "shell-session", "bash-session"}

@@ -21,7 +21,9 @@ from services.api.error_handlers import error_body
 from services.api.metrics import ERRORS, INFLIGHT, SHED
 from shared.config import Settings
 
-_EXEMPT_PREFIXES = ("/healthz", "/readyz", "/metrics", "/v1/admin/")
+# Probes, metrics and operator endpoints are wanted most under load; the console's files are a few static reads (its
+# API calls are shed like any other, and the page shows the 503), so a loaded API still serves the page.
+_EXEMPT_PREFIXES = ("/healthz", "/readyz", "/metrics", "/v1/admin/", "/console")
 
 
 class AdmissionLimit:

@@ -71,6 +71,12 @@ def test_operator_endpoints_are_never_shed() -> None:
     assert statuses == Counter({200: 10})
 
 
+def test_the_console_page_is_never_shed() -> None:
+    """Its files hold no database connection; the API calls it makes are shed like any other (previous tests)."""
+    statuses, _, _ = asyncio.run(_burst(10, path="/console/console.js"))
+    assert statuses == Counter({200: 10})
+
+
 def test_the_videos_api_is_refused_in_openais_error_shape() -> None:
     statuses, _, responses = asyncio.run(_burst(5, path="/v1/videos"))
     assert statuses == Counter({200: 3, 503: 2})

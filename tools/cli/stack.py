@@ -105,7 +105,10 @@ def up(
     """Start the stack and keep it running until Ctrl-C."""
     with running_stack(state_dir=state_dir, flower_port=flower_port, allow_private_webhooks=False):
         info = json.loads((state_dir / "stack.json").read_text())
-        console.print(f"[green]vidq is up[/]: API {info['api']}/docs, Flower {info['flower']}, logs {info['logs']}")
+        console.print(
+            f"[green]vidq is up[/]: API {info['api']}/docs, console {info['api']}/console, Flower {info['flower']}, "
+            f"logs {info['logs']}"
+        )
         console.print(
             f"in another shell: `set -a; . {state_dir}/env; set +a`, then `vidq create-key --tenant NAME` and "
             '`vidq generate "…" --key …`; Ctrl-C stops everything'

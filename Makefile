@@ -20,7 +20,7 @@ demo: venv
 	HF_HUB_OFFLINE=1 $(BIN)/vidq demo
 
 test: venv
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -p no:cacheprovider
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -p no:cacheprovider --durations=15
 
 lint: venv
 	$(BIN)/ruff check shared services tools tests benchmarks migrations

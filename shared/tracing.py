@@ -1,6 +1,6 @@
 """Traces (OpenTelemetry): one trace per job, from ``POST /v1/jobs`` to the webhook delivery.
 
-Off unless ``VIDQ_OTEL_ENDPOINT`` names an OTLP/HTTP collector: then no provider is installed, nothing is
+Off unless ``VIDQ_OTEL_ENDPOINT`` names an OTLP/HTTP collector. Off, no provider is installed, nothing is
 instrumented, and what remains (the stage spans of the worker, ``current_traceparent``) runs on OpenTelemetry's
 no-op API. On: each process's entry point calls ``setup_tracing`` once, which installs a provider (service.name
 vidq-api, vidq-worker, …) exporting in batches from a background thread (a collector that is down costs dropped

@@ -14,6 +14,7 @@ from services.api.deps import SessionDep, SettingsDep, TenantDep
 from services.api.metrics import RESULT_CACHE_HITS, SUBMITS
 from services.api.store import JobStore
 from shared.dispatch import after_transition_commit, send_committed
+from shared.models import Job
 from shared.presenters import present_job
 from shared.schemas import ERROR_RESPONSES, JobCreate, JobOut, JobPage
 from shared.states import JobStatus, request_cancel
@@ -40,6 +41,13 @@ async def submit_job(
     job, created = await jobs_service.submit(
         store, settings, tenant=tenant, body=body, idempotency_key=idempotency_key, stored=stored
     )  # committed: the row and its idempotency key
+    after_submit(request, response, job, created=created, location=f"/v1/jobs/{job.id}")
+    return present_job(job, settings=settings, storage=request.app.state.storage)
+
+
+def after_submit(request: Request, response: Response, job: Job, *, created: bool, location: str) -> None:
+    """What follows a committed submit, on /v1/jobs and /v1/videos alike: a new job's message and counts, or the
+    replay header for an idempotent repeat; and where the job lives."""
     if created:
         # The message follows the commit: the video queue for a queued job; for one served from the result cache
         # (created succeeded) no render, only its webhook when it has a URL.
@@ -49,8 +57,7 @@ async def submit_job(
             RESULT_CACHE_HITS.inc()
     else:
         response.headers["Idempotent-Replayed"] = "true"
-    response.headers["Location"] = f"/v1/jobs/{job.id}"
-    return present_job(job, settings=settings, storage=request.app.state.storage)
+    response.headers["Location"] = location
 
 
 @router.get("", response_model=JobPage)

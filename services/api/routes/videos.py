@@ -16,9 +16,8 @@ from starlette.datastructures import UploadFile
 
 from services.api import jobs_service, videos_service
 from services.api.deps import Caller, SessionDep, SettingsDep, TenantDep
-from services.api.metrics import RESULT_CACHE_HITS, SUBMITS
+from services.api.routes.jobs import after_submit
 from services.api.store import JobStore
-from shared.dispatch import send_committed
 from shared.errors import InvalidRequest, NotFound, UnsupportedMediaType
 from shared.models import ApiFlavour, Job
 from shared.openai_videos import OpenAIErrorBody, Video, VideoDeleted, VideoPage, job_id_of, present_video
@@ -134,14 +133,7 @@ async def create_video(
         )
     except InvalidRequest as exc:  # an operator's cap: name the parameter it is about
         raise videos_service.param_of_cap(exc) from None
-    if created:
-        send_committed(request.app.state.celery, job)  # after the commit, as for /v1/jobs
-        SUBMITS.labels(priority_class=job.priority_class).inc()
-        if job.result_of is not None:
-            RESULT_CACHE_HITS.inc()
-    else:
-        response.headers["Idempotent-Replayed"] = "true"
-    response.headers["Location"] = f"/v1/videos/{id_of_job(job.id)}"
+    after_submit(request, response, job, created=created, location=f"/v1/videos/{id_of_job(job.id)}")
     return present_video(job)
 
 

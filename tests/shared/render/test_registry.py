@@ -162,9 +162,8 @@ def test_exception_from_on_step_propagates_and_stops_the_render(tiny: VideoPipel
     assert calls == [1, 2]
 
 
-def test_cancel_frees_the_render_tensors_while_the_exception_is_still_held(
-    tiny: VideoPipeline, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _record_latents(tiny: VideoPipeline, monkeypatch: pytest.MonkeyPatch) -> list[weakref.ref[torch.Tensor]]:
+    """Weak references to every latent the scheduler's steps return: alive after a cancel means a leak."""
     latents: list[weakref.ref[torch.Tensor]] = []
     step = tiny.pipe.scheduler.step
 
@@ -173,10 +172,18 @@ def test_cancel_frees_the_render_tensors_while_the_exception_is_still_held(
         latents.append(weakref.ref(out[0]))
         return out
 
+    monkeypatch.setattr(tiny.pipe.scheduler, "step", recording_step)
+    return latents
+
+
+def test_cancel_frees_the_render_tensors_while_the_exception_is_still_held(
+    tiny: VideoPipeline, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    latents = _record_latents(tiny, monkeypatch)
+
     def cancel(done: int, total: int) -> None:
         raise Cancelled
 
-    monkeypatch.setattr(tiny.pipe.scheduler, "step", recording_step)
     with pytest.raises(Cancelled) as caught:
         tiny.generate(make_spec(), on_step=cancel)
     # A worker logs the exception after generate returns; the latents must not live as long as it does.
@@ -319,18 +326,11 @@ def test_a_cancel_in_a_traced_stage_ends_its_span_and_still_frees_the_render_ten
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     tracer = provider.get_tracer("test")
-    latents: list[weakref.ref[torch.Tensor]] = []
-    step = tiny.pipe.scheduler.step
-
-    def recording_step(*args: Any, **kwargs: Any) -> Any:
-        out = step(*args, **kwargs)
-        latents.append(weakref.ref(out[0]))
-        return out
+    latents = _record_latents(tiny, monkeypatch)
 
     def cancel(done: int, total: int) -> None:
         raise Cancelled
 
-    monkeypatch.setattr(tiny.pipe.scheduler, "step", recording_step)
     with pytest.raises(Cancelled):
         tiny.generate(make_spec(), on_step=cancel, stage_scope=lambda name: tracer.start_as_current_span(name))
     assert latents and all(ref() is None for ref in latents)

@@ -160,6 +160,9 @@ class Settings(BaseSettings):
     vram_pool_host_budget_mb: int = 16384
     # Test knob only: the next this-many renders of each pool process raise a real torch.OutOfMemoryError.
     worker_fault_oom_renders: int = 0
+    # Test knob only: while this file exists, a render holds after each denoising step (its progress recorded) until
+    # the file is gone or the job is cancelled, so a test acts on a job that is surely mid-render. Empty = never.
+    worker_fault_hold_file: str = ""
     # local: the worker loads the model's text encoder and encodes what no cache tier holds. remote: it never loads
     # the encoder (UMT5-XXL is ≈ 11 GiB of VRAM); what no tier holds it asks the prewarmer for.
     worker_text_encoder: Literal["local", "remote"] = "local"

@@ -89,6 +89,8 @@ def stack_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, st
         "VIDQ_WORKER_METRICS_PORT": "0",  # several workers share this host; the metrics test picks a port
         "VIDQ_WEBHOOK_SCHEDULE_S": "[0.2,0.5,1]",  # the Svix schedule, compressed: 4 attempts in under 2 s
         "VIDQ_WEBHOOK_TIMEOUT_S": "3",
+        # Renders hold after each step while this file exists (the `hold` fixture of tests/integration).
+        "VIDQ_WORKER_FAULT_HOLD_FILE": str(base / "hold"),
     }
     os.environ.update(env)
     from shared.config import get_settings

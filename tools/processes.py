@@ -51,6 +51,38 @@ def log_tail(path: Path, lines: int = 40) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+class Child(Protocol):
+    """What ManagedProcess needs of a started child: ``subprocess.Popen``'s pid, poll and wait."""
+
+    pid: int
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+class Spawn(Protocol):
+    """Starts ``argv`` in a session of its own, stdin empty, stdout and stderr appended to ``log_path``."""
+
+    def __call__(
+        self, argv: Sequence[str], *, log_path: Path, cwd: Path | None, env: Mapping[str, str] | None
+    ) -> Child: ...
+
+
+def popen_in_session(argv: Sequence[str], *, log_path: Path, cwd: Path | None, env: Mapping[str, str] | None) -> Child:
+    # The child gets its own copy of the descriptor, so ours is closed as soon as it has started.
+    with log_path.open("ab") as log:
+        return subprocess.Popen(
+            list(argv),
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
     with suppress(ProcessLookupError):  # the whole group has already exited
         os.killpg(pgid, sig)
@@ -69,22 +101,14 @@ class ManagedProcess:
         name: str | None = None,
         cwd: Path | None = None,
         env: Mapping[str, str] | None = None,
+        spawn: Spawn = popen_in_session,
     ) -> None:
         self.log_path = log_path
         self.name = name or Path(argv[0]).name
         self._stopped = False
+        self._terminated = False
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        # The child gets its own copy of the descriptor, so ours is closed as soon as it has started.
-        with log_path.open("ab") as log:
-            self._popen = subprocess.Popen(
-                list(argv),
-                cwd=cwd,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        self._popen = spawn(argv, log_path=log_path, cwd=cwd, env=env)
 
     @property
     def pid(self) -> int:
@@ -107,18 +131,23 @@ class ManagedProcess:
         _signal_group(self.pid, signal.SIGKILL)
         self._popen.wait(wait_s)
 
+    def terminate(self) -> None:
+        """SIGTERM the group, once, without waiting (``stop`` waits)."""
+        if not self._terminated and self.poll() is None:
+            _signal_group(self.pid, signal.SIGTERM)
+        self._terminated = True
+
     def stop(self, *, grace_s: float, kill_wait_s: float = 10.0) -> None:
         """SIGTERM the group, SIGKILL it if the child has not exited within ``grace_s``. Idempotent."""
         if self._stopped:
             return
         self._stopped = True
         try:
-            if self.poll() is None:
-                _signal_group(self.pid, signal.SIGTERM)
-                try:
-                    self._popen.wait(grace_s)
-                except subprocess.TimeoutExpired:
-                    logger.info("%s did not exit %.0f s after SIGTERM; killing it", self.name, grace_s)
+            self.terminate()
+            try:
+                self._popen.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                logger.info("%s did not exit %.0f s after SIGTERM; killing it", self.name, grace_s)
         finally:
             # Also when the child has exited: what it forked shares its group and none of it may outlive it.
             self.kill(wait_s=kill_wait_s)
@@ -131,12 +160,13 @@ class ProcessGroup:
     env: dict[str, str]
     log_dir: Path
     procs: dict[str, ManagedProcess] = field(default_factory=dict)
+    spawn: Spawn = popen_in_session  # the test suite forks its children from a launcher that has their imports
 
     def log_path(self, name: str) -> Path:
         return self.log_dir / f"{name}.log"
 
     def start(self, name: str, argv: list[str]) -> ManagedProcess:
-        proc = ManagedProcess(argv, log_path=self.log_path(name), name=name, env=self.env)
+        proc = ManagedProcess(argv, log_path=self.log_path(name), name=name, env=self.env, spawn=self.spawn)
         self.procs[name] = proc
         return proc
 
@@ -147,10 +177,23 @@ class ProcessGroup:
     def stop(self, name: str, *, timeout_s: float = 20.0) -> None:
         self.procs.pop(name).stop(grace_s=timeout_s)
 
-    def stop_all(self, *, timeout_s: float = 20.0) -> None:
-        """Last started first."""
-        for name in list(self.procs)[::-1]:
-            self.stop(name, timeout_s=timeout_s)
+    def stop_all(self, *, timeout_s: float = 20.0, grace_s: Mapping[str, float] | None = None) -> None:
+        """SIGTERM every child at once (last started first), then give each until its own deadline: ``grace_s`` of
+        its name, else ``timeout_s``, counted from now. The whole stop takes the longest grace, not their sum."""
+        started = time.monotonic()
+        names = list(self.procs)[::-1]
+        for name in names:
+            self.procs[name].terminate()
+        for name in names:
+            limit = (grace_s or {}).get(name, timeout_s)
+            # Forgotten only once stopped: an interrupted stop_all leaves the rest for kill_all.
+            self.procs[name].stop(grace_s=max(0.0, started + limit - time.monotonic()))
+            del self.procs[name]
+
+    def kill_all(self) -> None:
+        """SIGKILL every child's group at once and forget them."""
+        for name in list(self.procs):
+            self.kill(name)
 
     def check_alive(self) -> None:
         for proc in self.procs.values():

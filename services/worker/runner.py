@@ -396,12 +396,22 @@ def _generate(pipeline: VideoPipeline, spec: GenerationSpec, *, celery: VidqCele
         "vidq.device": str(pipeline.device),
         "vidq.memory_mode": pipeline.memory_mode,
     }
+    hold = celery.settings.worker_fault_hold_file
     return pipeline.generate(
         spec,
-        on_step=lease.on_step,
+        on_step=partial(_held_step, lease, Path(hold)) if hold else lease.on_step,
         text_rows=text_rows(celery, pipeline),
         stage_scope=lambda stage: stage_span(stage, attributes),
     )
+
+
+def _held_step(lease: Lease, hold: Path, step: int, total: int) -> None:
+    """The test knob VIDQ_WORKER_FAULT_HOLD_FILE: a step as usual, then wait while the file exists. A cancel or a
+    lost lease (seen by the heartbeat) ends the wait as it would end the render."""
+    lease.on_step(step, total)
+    while hold.exists():
+        lease.check()
+        time.sleep(0.05)
 
 
 def _job_attributes(lease: Lease) -> dict[str, str | int]:

@@ -14,16 +14,32 @@ import httpx
 import pytest
 
 from tests.integration.helpers import free_port
+from tests.integration.launcher import Launcher
 from tools.processes import ProcessGroup, vidq_argv, wait_for_log, wait_http
+
+CHILD_ENV = {"PYTHONUNBUFFERED": "1"}
 
 # Every test here is marked integration by tests/conftest.py (it sits in tests/integration/ and reaches the
 # session stack); a pytestmark in a conftest would mark nothing.
 
 
 @pytest.fixture(scope="session")
-def procs(stack_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProcessGroup]:
+def launcher(stack_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launcher]:
+    """Forks the `vidq` processes the tests start, their heavy imports done once (tests/integration/launcher.py)."""
+    started = Launcher(workdir=tmp_path_factory.mktemp("launcher"), env={**os.environ, **stack_env, **CHILD_ENV})
+    try:
+        started.wait_ready(timeout_s=120)
+        yield started
+    finally:
+        started.close()
+
+
+@pytest.fixture(scope="session")
+def procs(
+    stack_env: dict[str, str], launcher: Launcher, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ProcessGroup]:
     group = ProcessGroup(
-        env={**os.environ, **stack_env, "PYTHONUNBUFFERED": "1"}, log_dir=tmp_path_factory.mktemp("logs")
+        env={**os.environ, **stack_env, **CHILD_ENV}, log_dir=tmp_path_factory.mktemp("logs"), spawn=launcher.spawn
     )
     yield group
     group.stop_all(timeout_s=10)
@@ -61,6 +77,28 @@ def start_worker(procs: ProcessGroup) -> Iterator[WorkerFactory]:
     for name in started:
         if name in procs.procs:
             procs.stop(name, timeout_s=15)
+
+
+class Hold:
+    """While on, every render of the session's workers holds after each denoising step, its progress recorded, until
+    released or cancelled (VIDQ_WORKER_FAULT_HOLD_FILE): a kill, a SIGTERM, a cancel or an outage then surely lands
+    mid-render, however fast or slow this machine is."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on(self) -> None:
+        self.path.touch()
+
+    def release(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def hold(settings: Any) -> Iterator[Hold]:
+    held = Hold(Path(settings.worker_fault_hold_file))
+    yield held
+    held.release()
 
 
 @pytest.fixture

@@ -29,9 +29,6 @@ TINY: dict[str, Any] = {
     "seed": 1,
 }
 
-# Long enough on this CPU that a kill or a cancel lands mid-render.
-SLOW: dict[str, Any] = {"width": 128, "height": 128, "duration_s": 2.0, "fps": 8, "steps": 60}
-
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -21,7 +21,7 @@ import pytest
 
 from shared.db import session_scope
 from shared.tenants import issue_key
-from tests.integration.helpers import SLOW, submit, wait_job
+from tests.integration.helpers import submit, wait_job
 
 try:
     from playwright import sync_api
@@ -33,6 +33,8 @@ CHROMIUM = shutil.which("chromium")
 # 12 steps of a 224×128, 17-frame clip: a few seconds on a CPU, so the page sees several progress events.
 RENDER: dict[str, Any] = {"width": 224, "height": 128, "duration_s": 2.0, "fps": 8, "steps": 12, "seed": 7}
 FRAMES = 17  # the smallest 4k+1 covering 2 s × 8 fps
+# A small render of several steps, held mid-render by the `hold` fixture.
+HELD: dict[str, Any] = {"width": 64, "height": 64, "duration_s": 1.0, "fps": 8, "steps": 8}
 WAIT_MS = 120_000  # a hang guard for the render, not a timing assertion
 
 # Every value the progress bar takes, recorded in the page as the console sets it.
@@ -212,11 +214,12 @@ def test_submit_watch_play_list_and_webhooks(page, browser, api_url, client, sta
         context.close()
 
 
-def test_cancel_stops_a_running_job(page, api_url, client, start_worker):
+def test_cancel_stops_a_running_job(page, api_url, client, start_worker, hold):
     start_worker("video")
+    hold.on()  # the render holds after each step until cancelled: it is surely running when Cancel is clicked
     _open_with_key(page, api_url, client.headers["Authorization"].removeprefix("Bearer "))
     sync_api.expect(page.locator("#key-status")).to_have_text("Key accepted.")
-    _fill_form(page, prompt="a slow sunrise over the sea", **SLOW)
+    _fill_form(page, prompt="a slow sunrise over the sea", **HELD)
     page.get_by_role("button", name="Generate").click()
     sync_api.expect(page.locator("#job-status")).to_have_text("running", timeout=WAIT_MS)
     page.get_by_role("button", name="Cancel", exact=True).click()
@@ -224,7 +227,7 @@ def test_cancel_stops_a_running_job(page, api_url, client, start_worker):
     sync_api.expect(page.get_by_role("button", name="Cancel", exact=True)).to_be_hidden()
     sync_api.expect(page.locator("#job-video")).to_be_hidden()
     job = client.get(f"/v1/jobs/{page.locator('#job-id').text_content()}").json()
-    assert job["status"] == "cancelled" and job["progress"]["step"] < SLOW["steps"]
+    assert job["status"] == "cancelled" and job["progress"]["step"] < HELD["steps"]
 
 
 def test_the_job_list_pages_with_load_more(page, api_url, client):

@@ -99,6 +99,7 @@ def api_without_database(procs: ProcessGroup, tmp_path: Path) -> Iterator[str]:
     group = ProcessGroup(
         env={**procs.env, "VIDQ_DATABASE_URL": f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/x"},
         log_dir=tmp_path,
+        spawn=procs.spawn,
     )
     group.start("api-nodb", vidq_argv("api", "--no-migrate", "--port", str(port)))
     url = f"http://127.0.0.1:{port}"

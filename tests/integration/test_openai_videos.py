@@ -24,14 +24,14 @@ from shared.states import claim, succeed
 from shared.storage import Storage
 from shared.tenants import issue_key
 from tests.integration.helpers import TINY, db_job, free_port, transitions
-from tools.processes import ProcessGroup, vidq_argv, wait_http
+from tools.processes import ProcessGroup, vidq_argv, wait_http, wait_until
 
 # 9 frames of 64×64 at 4 steps: well under a second of rendering with tiny-wan on this CPU.
 FAST: dict[str, Any] = {"size": "64x64", "seconds": "1"}
 FAST_EXTRA: dict[str, Any] = {"steps": 4, "fps": 8, "seed": 3}
-# helpers.SLOW as OpenAI parameters: long enough on this CPU that a delete lands mid-render.
-SLOW_VIDEO: dict[str, Any] = {"size": "128x128", "seconds": "2"}
-SLOW_EXTRA: dict[str, Any] = {"steps": 60, "fps": 8}
+# A small render of several steps, held mid-render by the `hold` fixture for the delete to land there.
+HELD_VIDEO: dict[str, Any] = {"size": "64x64", "seconds": "1"}
+HELD_EXTRA: dict[str, Any] = {"steps": 8, "fps": 8}
 
 
 def sdk(api_url: str, key: str) -> openai.OpenAI:
@@ -193,21 +193,19 @@ def test_delete_cancels_a_queued_job_and_hides_it_everywhere(videos, client, set
     assert client.post(f"/v1/jobs/{job_id(video.id)}/cancel").status_code == 404
 
 
-def test_delete_stops_a_running_job_at_its_next_step(videos, client, start_worker, settings):
+def test_delete_stops_a_running_job_at_its_next_step(videos, client, start_worker, settings, hold):
     start_worker("video")
-    video = videos.videos.create(prompt="a long render", **SLOW_VIDEO, extra_body=SLOW_EXTRA)
-    deadline = time.monotonic() + 60
-    while (seen := videos.videos.retrieve(video.id)).progress == 0 and time.monotonic() < deadline:
-        time.sleep(0.1)
+    hold.on()  # the render holds after each step until cancelled: it is surely mid-render when the delete comes
+    video = videos.videos.create(prompt="a long render", **HELD_VIDEO, extra_body=HELD_EXTRA)
+    wait_until(lambda: videos.videos.retrieve(video.id).progress > 0, timeout_s=60, what="the render's first step")
+    seen = videos.videos.retrieve(video.id)
     assert seen.status == "in_progress" and seen.progress > 0, seen
     videos.videos.delete(video.id)
     with pytest.raises(openai.NotFoundError):
         videos.videos.retrieve(video.id)
-    deadline = time.monotonic() + 60
-    while db_job(settings, job_id(video.id)).status == "running" and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_until(lambda: db_job(settings, job_id(video.id)).status != "running", timeout_s=60, what="the render to stop")
     stopped = db_job(settings, job_id(video.id))
-    assert stopped.status == "cancelled" and stopped.progress_step < SLOW_EXTRA["steps"]
+    assert stopped.status == "cancelled" and stopped.progress_step < HELD_EXTRA["steps"]
     assert transitions(settings, job_id(video.id))[-1] == ("running", "cancelled", 1)
 
 
@@ -292,7 +290,9 @@ def _succeeded_without_files(settings: Any, tenant_key: dict[str, str]) -> str:
 def api_without_s3(procs: ProcessGroup, tmp_path: Any) -> Iterator[str]:
     """An API whose S3 is gone (nothing listens on its port)."""
     port = free_port()
-    group = ProcessGroup(env={**procs.env, "VIDQ_S3_ENDPOINT": f"127.0.0.1:{free_port()}"}, log_dir=tmp_path)
+    group = ProcessGroup(
+        env={**procs.env, "VIDQ_S3_ENDPOINT": f"127.0.0.1:{free_port()}"}, log_dir=tmp_path, spawn=procs.spawn
+    )
     group.start("api-nos3", vidq_argv("api", "--no-migrate", "--port", str(port)))
     url = f"http://127.0.0.1:{port}"
     wait_http(f"{url}/healthz", timeout_s=60, group=group)

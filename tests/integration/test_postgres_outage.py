@@ -44,7 +44,9 @@ RECOVERY_S = 30.0  # the budget after the outage: "the outage plus seconds", nev
 
 
 @pytest.fixture
-def private_stack(stack_env: dict[str, str], tmp_path: Path) -> Iterator[tuple[EmbeddedPostgres, Settings, Any]]:
+def private_stack(
+    stack_env: dict[str, str], procs: ProcessGroup, tmp_path: Path
+) -> Iterator[tuple[EmbeddedPostgres, Settings, Any]]:
     # Not under tmp_path: a pytest session starting meanwhile (another suite on this machine) resets pytest's
     # temp root to 0700, and the server, which runs as an unprivileged user, would lose its data directory.
     pg_root = Path(tempfile.mkdtemp(prefix="vidq-outage-pg-"))
@@ -67,7 +69,7 @@ def private_stack(stack_env: dict[str, str], tmp_path: Path) -> Iterator[tuple[E
         "VIDQ_DB_POOL_TIMEOUT_S": "1",
         "VIDQ_DB_CONNECT_TIMEOUT_S": "2",
     }
-    group = ProcessGroup(env=env, log_dir=tmp_path / "logs")
+    group = ProcessGroup(env=env, log_dir=tmp_path / "logs", spawn=procs.spawn)
     try:
         upgrade(settings)
         yield pg, settings, group

@@ -12,7 +12,8 @@ from shared.celery_app import make_celery
 from shared.db import session_scope
 from shared.queues import TASK_GENERATE
 from shared.storage import Storage
-from tests.integration.helpers import SLOW, TINY, db_job, submit, sweeper, transitions, wait_job
+from tests.integration.helpers import TINY, db_job, submit, sweeper, transitions, wait_job
+from tools.processes import wait_until
 
 
 def sweep_until(settings, predicate, *, timeout_s: float = 30.0) -> None:
@@ -26,11 +27,13 @@ def sweep_until(settings, predicate, *, timeout_s: float = 30.0) -> None:
     raise AssertionError("condition never met while sweeping")
 
 
-def test_sigkill_mid_job_then_a_new_worker_finishes_it_once(client, start_worker, procs, settings, tenant_key):
+def test_sigkill_mid_job_then_a_new_worker_finishes_it_once(client, start_worker, procs, settings, tenant_key, hold):
     first = start_worker("video")
-    job = submit(client, **SLOW)
-    wait_job(client, job["id"], {"running"}, min_step=2)
+    hold.on()
+    job = submit(client)
+    wait_job(client, job["id"], {"running"}, min_step=1)  # held after its first step
     procs.kill(first)  # SIGKILL to the whole process group: main process and pool child
+    hold.release()
 
     start_worker("video")
     # The dead worker's lease expires; the sweeper re-queues the job; the new worker claims attempt 2.
@@ -67,10 +70,17 @@ def test_commit_then_crash_before_send_the_sweeper_sends_it(client, start_worker
         job = create_job(session, settings, tenant=tenant, body=JobCreate(**TINY))
         job_id = str(job.id)
     start_worker("video")
-    time.sleep(1.0)
+    follow = submit(client, seed=2)  # sent as usual: once it is done, the worker has read its queue
+    wait_job(client, follow["id"], {"succeeded"})
     assert db_job(settings, job_id).status == "queued"  # nobody knows about it yet
-    report = sweeper(settings).sweep_once()
-    assert uuid.UUID(job_id) in report.resent
+    sw, resent = sweeper(settings), list[uuid.UUID]()
+
+    def swept() -> bool:
+        resent.extend(sw.sweep_once().resent)
+        return uuid.UUID(job_id) in resent
+
+    # A sweep sends it once VIDQ_ENQUEUE_GRACE_S has passed since its commit (by the database's clock).
+    wait_until(swept, timeout_s=30, what="the sweeper's send", interval_s=0.2)
     done = wait_job(client, job_id, {"succeeded", "failed"})
     assert done["status"] == "succeeded" and done["attempt"] == 1
 
@@ -100,8 +110,9 @@ def test_redelivered_message_for_a_finished_job_changes_nothing(client, start_wo
     assert client.get(f"/v1/jobs/{job['id']}").json()["output"]["sha256"] == done["output"]["sha256"]
 
 
-def test_poison_job_fails_after_max_attempts(client, start_worker, procs, settings):
-    job = submit(client, **SLOW)
+def test_poison_job_fails_after_max_attempts(client, start_worker, procs, settings, hold):
+    hold.on()  # every attempt holds after its first step: each kill lands mid-render
+    job = submit(client)
     for attempt in range(1, settings.max_attempts + 1):
         name = start_worker("video")
         wait_job(client, job["id"], {"running"}, min_step=1, timeout_s=60)

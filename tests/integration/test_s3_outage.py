@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import pytest
 
 from shared.db import session_scope
 from shared.models import JobTransition
-from tests.integration.helpers import SLOW, free_port, submit, transitions, wait_job
+from tests.integration.helpers import TINY, free_port, submit, transitions, wait_job
 from tools.processes import ProcessGroup, vidq_argv, wait_for_log
 
 
@@ -83,7 +82,7 @@ def worker_behind_proxy(procs: ProcessGroup, tmp_path: Path) -> Iterator[Cuttabl
     host, _, port = procs.env["VIDQ_S3_ENDPOINT"].partition(":")
     proxy = CuttableProxy((host, int(port)))
     env = {**procs.env, "VIDQ_S3_ENDPOINT": f"127.0.0.1:{proxy.port}", "VIDQ_WORKER_UPLOAD_RETRY_S": "60"}
-    group = ProcessGroup(env=env, log_dir=tmp_path)
+    group = ProcessGroup(env=env, log_dir=tmp_path, spawn=procs.spawn)
     group.start("worker-s3", vidq_argv("worker", "--role", "video", "--name", f"s3-{proxy.port}"))
     wait_for_log(group, "worker-s3", "pipeline loaded", timeout_s=120)
     proxy.group = group
@@ -92,16 +91,17 @@ def worker_behind_proxy(procs: ProcessGroup, tmp_path: Path) -> Iterator[Cuttabl
     proxy.cut()
 
 
-def test_upload_waits_out_an_s3_outage_and_succeeds_at_attempt_1(client, settings, worker_behind_proxy):
-    job = submit(client, **SLOW)
-    wait_job(client, job["id"], {"running"}, min_step=1)
+def test_upload_waits_out_an_s3_outage_and_succeeds_at_attempt_1(client, settings, worker_behind_proxy, hold):
+    hold.on()
+    job = submit(client)
+    wait_job(client, job["id"], {"running"}, min_step=1)  # held after its first step
     worker_behind_proxy.cut()  # S3 gone before the render reaches its upload
-    done_rendering = wait_job(client, job["id"], {"running"}, min_step=SLOW["steps"], timeout_s=120)
+    hold.release()
+    done_rendering = wait_job(client, job["id"], {"running"}, min_step=TINY["steps"], timeout_s=120)
     assert done_rendering["status"] == "running"
     assert worker_behind_proxy.group is not None
     # The upload really meets the outage (no connection slips through) and is retried, not failed.
     wait_for_log(worker_behind_proxy.group, "worker-s3", "S3 unreachable at upload; retrying", timeout_s=60)
-    time.sleep(1)
     worker_behind_proxy.restore()
     finished = wait_job(client, job["id"], {"succeeded", "failed"}, timeout_s=120)
     history = _history(settings, job["id"])  # with each transition's reason: why an attempt ended, if one did

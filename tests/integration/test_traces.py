@@ -33,7 +33,7 @@ from shared.db import session_scope
 from shared.models import Job
 from tests.integration.conftest import Receiver
 from tests.integration.helpers import TINY, db_job, free_port, process_env, queue_key, wait_job
-from tools.processes import ProcessGroup, vidq_argv, wait_for_log, wait_http, wait_until
+from tools.processes import ProcessGroup, StartupError, vidq_argv, wait_for_log, wait_http, wait_until
 
 STAGES = ["claim", "embeddings", "denoise", "decode", "encode", "upload", "finalize", "webhook"]
 
@@ -138,7 +138,7 @@ def traced(procs: ProcessGroup, collector: Collector, tmp_path_factory: pytest.T
         "VIDQ_OTEL_BATCH_DELAY_MS": "200",
         "VIDQ_PUBLIC_BASE_URL": f"http://127.0.0.1:{port}",
     }
-    group = ProcessGroup(env=env, log_dir=tmp_path_factory.mktemp("traced"))
+    group = ProcessGroup(env=env, log_dir=tmp_path_factory.mktemp("traced"), spawn=procs.spawn)
     group.start("api-traced", vidq_argv("api", "--no-migrate", "--port", str(port)))
     url = f"http://127.0.0.1:{port}"
     try:
@@ -182,13 +182,34 @@ def job_trace_id(settings: Settings, job_id: str) -> str:
     return trace_id
 
 
-def wait_for_spans(collector: Collector, trace_id: str, names: list[str], *, timeout_s: float = 60) -> None:
-    """Until every one of ``names`` arrived in the trace (the processes export in batches)."""
-    wait_until(
-        lambda: set(names) <= {s.name for s in collector.trace(trace_id)},
-        timeout_s=timeout_s,
-        what=f"spans {names} of trace {trace_id}",
-    )
+def wait_for_trace(
+    collector: Collector,
+    trace_id: str,
+    names: list[str],
+    *,
+    counts: dict[str, int] | None = None,
+    timeout_s: float = 60,
+) -> list[SpanRecord]:
+    """The trace once it is whole: every one of ``names`` arrived (``counts`` of some), and so did the parent of
+    every span. Each process exports a span when it ends, in batches, so a child (which ends first) often arrives a
+    batch before its parent: a trace read as soon as its stage spans are in can still miss a parent. A parent that
+    never arrives fails here, at the deadline, naming what is missing."""
+    missing: list[str] = []
+
+    def whole() -> bool:
+        spans = collector.trace(trace_id)
+        ids = {s.span_id for s in spans}
+        seen = [s.name for s in spans]
+        missing[:] = [n for n in names if n not in seen]
+        missing.extend(f"{n} ×{k - seen.count(n)}" for n, k in (counts or {}).items() if seen.count(n) < k)
+        missing.extend(f"the parent of {s.name}" for s in spans if s.parent_id and s.parent_id not in ids)
+        return not missing
+
+    try:
+        wait_until(whole, timeout_s=timeout_s, what=f"trace {trace_id}")
+    except StartupError as exc:
+        raise AssertionError(f"trace {trace_id} never became whole; missing: {missing}") from exc
+    return collector.trace(trace_id)
 
 
 def stage(spans: list[SpanRecord], name: str) -> SpanRecord:
@@ -207,8 +228,7 @@ def test_one_trace_from_the_post_to_the_webhook(
     assert done["status"] == "succeeded", done["error"]
     assert receiver.event.wait(30), "webhook never delivered"
     trace_id = job_trace_id(settings, job["id"])
-    wait_for_spans(collector, trace_id, STAGES)
-    spans = collector.trace(trace_id)
+    spans = wait_for_trace(collector, trace_id, STAGES)
 
     # Every span of the job, whichever process made it, is in the one trace the API started.
     assert {s.trace_id for s in collector.of_job(job["id"])} == {trace_id}
@@ -277,8 +297,7 @@ def test_a_message_sent_again_by_the_sweeper_continues_the_jobs_trace(
     assert done["status"] == "succeeded", done["error"]
 
     trace_id = job_trace_id(settings, job["id"])
-    wait_for_spans(collector, trace_id, STAGES[:-1])  # no webhook URL
-    spans = collector.trace(trace_id)
+    spans = wait_for_trace(collector, trace_id, STAGES[:-1])  # no webhook URL
     assert {s.trace_id for s in collector.of_job(job["id"])} == {trace_id}
     by_id = {s.span_id: s for s in spans}
     root = next(s for s in spans if not s.parent_id)
@@ -309,7 +328,7 @@ def test_a_collector_that_never_answers_changes_nothing_for_the_job(
         "VIDQ_OTEL_BATCH_DELAY_MS": "50",
         "VIDQ_PUBLIC_BASE_URL": f"http://127.0.0.1:{port}",
     }
-    group = ProcessGroup(env=env, log_dir=tmp_path)
+    group = ProcessGroup(env=env, log_dir=tmp_path, spawn=procs.spawn)
     try:
         group.start("api-blackhole", vidq_argv("api", "--no-migrate", "--port", str(port)))
         group.start("worker-blackhole", vidq_argv("worker", "--role", "all", "--name", f"blackhole-{port}"))
@@ -346,15 +365,7 @@ def test_every_attempt_of_a_job_and_its_webhook_are_one_trace(
     assert receiver.event.wait(30), "webhook never delivered"
 
     trace_id = job_trace_id(settings, job["id"])
-    wait_until(
-        lambda: (
-            [s.name for s in collector.trace(trace_id)].count("claim") == attempts
-            and "webhook" in {s.name for s in collector.trace(trace_id)}
-        ),
-        timeout_s=60,
-        what="every attempt's claim and the webhook",
-    )
-    spans = collector.trace(trace_id)
+    spans = wait_for_trace(collector, trace_id, ["webhook"], counts={"claim": attempts})  # every attempt's claim
     assert {s.trace_id for s in collector.of_job(job["id"])} == {trace_id}
     assert [s.name for s in spans if not s.parent_id] == ["POST /v1/jobs"]
     by_id = {s.span_id: s for s in spans}

@@ -13,7 +13,7 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.integration.helpers import SLOW, process_env, submit, transitions, wait_job
+from tests.integration.helpers import process_env, submit, transitions, wait_job
 from tools.processes import vidq_argv, wait_for_log, wait_until
 
 
@@ -27,9 +27,9 @@ def pool_child(main_pid: int) -> psutil.Process:
 
 
 def test_a_crashed_pool_process_is_replaced_although_its_model_loads_slowly(client, start_worker, procs, tmp_path):
-    # 10 s: more than Celery's 4 s worker_proc_alive_timeout, which used to kill every replacement.
+    # 6 s: more than Celery's 4 s worker_proc_alive_timeout, which used to kill every replacement.
     with process_env(
-        procs, VIDQ_WORKER_MODEL_LOAD_DELAY_S="10", VIDQ_WORKER_LIVENESS_FILE=str(tmp_path / "alive")
+        procs, VIDQ_WORKER_MODEL_LOAD_DELAY_S="6", VIDQ_WORKER_LIVENESS_FILE=str(tmp_path / "alive")
     ) as env:
         name = start_worker("video")
     log_path = procs.log_path(name)
@@ -77,24 +77,26 @@ def test_liveness_fails_when_no_pool_process_can_take_a_job(start_worker, procs,
     assert procs.procs[name].poll() is None  # the worker itself runs on: only the probe can get it replaced
 
 
-def sigterm_mid_job(
-    client, start_worker, procs, *, group: bool, body: dict[str, Any] = SLOW
-) -> tuple[str, dict[str, Any], psutil.Process]:
+def sigterm_mid_job(client, start_worker, procs, hold, *, group: bool) -> tuple[str, dict[str, Any], psutil.Process]:
+    """A job held after its first step, then SIGTERM; returns once the worker has begun its warm shutdown."""
     name = start_worker("video")
-    job = submit(client, **body)
-    wait_job(client, job["id"], {"running"}, min_step=2)
+    hold.on()
+    job = submit(client)
+    wait_job(client, job["id"], {"running"}, min_step=1)
     pid = procs.procs[name].pid
     child = pool_child(pid)
     if group:
         os.killpg(pid, signal.SIGTERM)  # systemd's KillMode=control-group, `vidq up`'s stop
     else:
         os.kill(pid, signal.SIGTERM)  # what Kubernetes sends to the container's main process
+    wait_for_log(procs, name, "warm shutdown: finishing the running job", timeout_s=30)
     return name, job, child
 
 
 @pytest.mark.parametrize("group", [True, False], ids=["process-group", "main-process"])
-def test_sigterm_mid_job_finishes_it_at_attempt_1_then_exits_0(client, start_worker, procs, settings, group):
-    name, job, _ = sigterm_mid_job(client, start_worker, procs, group=group)
+def test_sigterm_mid_job_finishes_it_at_attempt_1_then_exits_0(client, start_worker, procs, settings, hold, group):
+    name, job, _ = sigterm_mid_job(client, start_worker, procs, hold, group=group)
+    hold.release()  # the render goes on after the SIGTERM
     proc = procs.procs[name]
     assert proc.wait(timeout=120) == 0
     procs.procs.pop(name)
@@ -104,14 +106,12 @@ def test_sigterm_mid_job_finishes_it_at_attempt_1_then_exits_0(client, start_wor
 
 
 @pytest.mark.parametrize("how", ["second-sigterm", "grace-over"])
-def test_a_second_sigterm_or_the_end_of_the_grace_period_stops_at_once(client, start_worker, procs, how):
+def test_a_second_sigterm_or_the_end_of_the_grace_period_stops_at_once(client, start_worker, procs, hold, how):
+    # The render stays held: it is still running when the second SIGTERM comes or the grace ends.
     with process_env(procs, VIDQ_WORKER_SHUTDOWN_GRACE_S="2" if how == "grace-over" else "600"):
-        # Far longer than the 2 s grace even on a fast machine: the render must still be running when it ends.
-        long_job = {**SLOW, "width": 256, "height": 256, "steps": 100}
-        name, job, child = sigterm_mid_job(client, start_worker, procs, group=True, body=long_job)
+        name, job, child = sigterm_mid_job(client, start_worker, procs, hold, group=True)
     proc = procs.procs[name]
     if how == "second-sigterm":
-        time.sleep(0.5)
         os.killpg(proc.pid, signal.SIGTERM)
     assert proc.wait(timeout=40) != 0  # a hard stop: the job is left to its lease, like a crash
     procs.procs.pop(name)

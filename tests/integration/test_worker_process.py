@@ -10,16 +10,19 @@ import time
 import httpx
 
 from shared.storage import Storage
-from tests.integration.helpers import SLOW, free_port, submit, transitions, wait_job
-from tools.processes import vidq_argv
+from tests.integration.helpers import free_port, submit, transitions, wait_job
+from tools.processes import vidq_argv, wait_for_log
 
 
-def test_sigterm_mid_job_finishes_it_once_then_exits(client, start_worker, procs, settings, tenant_key):
+def test_sigterm_mid_job_finishes_it_once_then_exits(client, start_worker, procs, settings, tenant_key, hold):
     name = start_worker("video")
-    job = submit(client, **SLOW)
-    wait_job(client, job["id"], {"running"}, min_step=2)
+    hold.on()
+    job = submit(client)
+    wait_job(client, job["id"], {"running"}, min_step=1)  # held after its first step
     proc = procs.procs[name]
     os.kill(proc.pid, signal.SIGTERM)  # what Kubernetes sends to the container's main process
+    wait_for_log(procs, name, "warm shutdown: finishing the running job", timeout_s=30)
+    hold.release()
     assert proc.wait(timeout=120) == 0  # warm shutdown: the running task completes first
     procs.procs.pop(name)
     done = client.get(f"/v1/jobs/{job['id']}").json()
@@ -31,7 +34,7 @@ def test_sigterm_mid_job_finishes_it_once_then_exits(client, start_worker, procs
         f"videos/{tenant_key['tenant_id']}/{job['id']}.mp4",
     ]
     # Jobs submitted while no worker runs wait in the queue and complete once one is back.
-    later = submit(client)
+    later = submit(client, seed=2)  # another render (the same request would be the result cache's)
     start_worker("video")
     assert wait_job(client, later["id"], {"succeeded"})["attempt"] == 1
 

@@ -91,11 +91,33 @@ def running_stack(
         yield env, group
         (state_dir / "env").unlink(missing_ok=True)
     finally:
-        if "worker" in group.procs:  # first, with its grace: a running job finishes (SIGTERM is a warm shutdown)
-            console.print("[dim]stopping: the video worker finishes its running job first[/]")
-            group.stop("worker", timeout_s=settings.worker_shutdown_grace_s)
-        group.stop_all()
+        _stop(group, worker_grace_s=settings.worker_shutdown_grace_s)
         stack.stop()
+
+
+# What a process other than the video worker gets to exit after SIGTERM (the API closes its streams within 10 s).
+STOP_TIMEOUT_S = 15.0
+# The worker stops itself hard when its grace is over and exits within 30 s of that (services/worker/app.py); this
+# is the margin before it is killed from here.
+WORKER_STOP_MARGIN_S = 35.0
+
+
+def _stop(group: ProcessGroup, *, worker_grace_s: float) -> None:
+    """Every process at once: SIGTERM to all, so the stop takes the longest wait, not their sum. The video worker
+    finishes its running job within its grace (VIDQ_WORKER_SHUTDOWN_GRACE_S) or stops hard at its end, leaving the
+    job to its lease (the sweeper runs it again). A second Ctrl-C stops everything at once."""
+    if not group.procs:
+        return
+    if "worker" in group.procs:
+        console.print(
+            f"[dim]stopping: the video worker finishes its running job (at most {worker_grace_s:g} s); "
+            "Ctrl-C again stops at once[/]"
+        )
+    try:
+        group.stop_all(timeout_s=STOP_TIMEOUT_S, grace_s={"worker": worker_grace_s + WORKER_STOP_MARGIN_S})
+    except KeyboardInterrupt:
+        console.print("[yellow]stopping at once: a running job is left to its lease[/]")
+        group.kill_all()
 
 
 def up(

@@ -1,6 +1,6 @@
 """A table of millions of jobs in seconds, and the plans of the SQL sent to it: shared by
-benchmarks/db_queries.py and tests/integration/test_query_plans.py, so the test checks plans on the data the
-benchmark times."""
+benchmarks/db_queries.py and the query-plan tests (tests/services/{api,sweeper}/test_query_plans.py), so the tests
+check plans on the data the benchmark times."""
 
 from __future__ import annotations
 

@@ -63,7 +63,8 @@ class ApiFlavour(enum.StrEnum):
 class Job(Base):
     __tablename__ = "jobs"
     # Every query the API and the sweeper send has its index here (migrations/versions/0002): a list page costs
-    # O(page), a sweeper step O(work due), never O(table). tests/integration/test_query_plans.py checks the plans.
+    # O(page), a sweeper step O(work due), never O(table). tests/services/{api,sweeper}/test_query_plans.py check
+    # the plans.
     __table_args__ = (
         # GET /v1/jobs, newest first; the keyset cursor is a row comparison on (created_at, id).
         Index("ix_jobs_tenant_newest", "tenant_id", text("created_at DESC"), text("id DESC")),

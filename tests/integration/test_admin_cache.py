@@ -1,11 +1,10 @@
 """GET /v1/admin/cache/stats: absent (404) while VIDQ_ADMIN_TOKEN is empty, 401 for any other credential, and with
 the token the cluster's hit counts per tier as the workers' counters wrote them to this session's broker keys, hit
-rates included. Redis failures are the API's 503 envelope, and the synchronous Redis call never blocks the event
-loop."""
+rates included. Redis failures (the 503 envelope) and the event loop kept free are checked in process:
+tests/services/api/test_admin_cache.py."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 from collections.abc import Iterator
@@ -15,8 +14,6 @@ import httpx
 import pytest
 import redis
 
-from services.api.app import create_app
-from services.api.routes import admin
 from shared.config import Settings
 from shared.textcache.monitor import HitCounter, mode_key
 from tests.integration.helpers import free_port
@@ -29,7 +26,9 @@ PATH = "/v1/admin/cache/stats"
 @pytest.fixture(scope="module")
 def admin_api(procs: ProcessGroup, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A second API process, the same stack and broker key prefix as the session's, with VIDQ_ADMIN_TOKEN set."""
-    group = ProcessGroup(env={**procs.env, "VIDQ_ADMIN_TOKEN": TOKEN}, log_dir=tmp_path_factory.mktemp("admin-api"))
+    group = ProcessGroup(
+        env={**procs.env, "VIDQ_ADMIN_TOKEN": TOKEN}, log_dir=tmp_path_factory.mktemp("admin-api"), spawn=procs.spawn
+    )
     port = free_port()
     group.start("api-admin", vidq_argv("api", "--no-migrate", "--port", str(port)))
     url = f"http://127.0.0.1:{port}"
@@ -215,62 +214,3 @@ def test_no_request_with_the_token_causes_a_server_error(admin_api: str) -> None
             )
 
         check()
-
-
-# ---- Redis failures and the event loop (the app in this process: only app.state.settings is needed) --------------
-
-
-def in_process(settings: Settings, **update: Any) -> httpx.AsyncClient:
-    configured = settings.model_copy(update={"admin_token": TOKEN, **update})
-    app = create_app(configured)
-    app.state.settings = configured  # what the lifespan sets; these routes use nothing else
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://vidq", headers=bearer(TOKEN))
-
-
-def test_an_unreachable_redis_is_the_503_envelope(settings: Settings) -> None:
-    async def run() -> httpx.Response:
-        async with in_process(settings, broker_url=f"redis://127.0.0.1:{free_port()}/0") as http:
-            return await http.get(PATH)
-
-    r = asyncio.run(run())
-    assert r.status_code == 503, r.text
-    assert r.json()["error"]["code"] == "unavailable" and r.headers["retry-after"] == str(settings.api_retry_after_s)
-
-
-def test_any_other_redis_error_is_the_503_envelope_too(settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
-    def refuse(*_: Any, **__: Any) -> dict[str, Any]:
-        raise redis.ResponseError("OOM command not allowed when used memory > 'maxmemory'")
-
-    monkeypatch.setattr(admin, "stats_for", refuse)
-
-    async def run() -> httpx.Response:
-        async with in_process(settings) as http:
-            return await http.get(PATH)
-
-    r = asyncio.run(run())
-    assert r.status_code == 503 and r.json()["error"]["code"] == "unavailable", r.text
-
-
-def test_the_redis_call_runs_off_the_event_loop(settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
-    """While one stats request waits on a slow Redis, the same process answers other requests."""
-    real = admin.stats_for
-
-    def slow(*args: Any, **kwargs: Any) -> dict[str, Any]:
-        time.sleep(1.0)  # blocking, like a Redis round trip that takes long
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(admin, "stats_for", slow)
-
-    async def run() -> tuple[float, float, int, int]:
-        async with in_process(settings) as http:
-            started = time.monotonic()
-            stats = asyncio.create_task(http.get(PATH))
-            await asyncio.sleep(0.1)
-            health = await http.get("/healthz")
-            health_s = time.monotonic() - started
-            response = await stats
-            return health_s, time.monotonic() - started, health.status_code, response.status_code
-
-    health_s, stats_s, health_status, status = asyncio.run(run())
-    assert health_status == status == 200
-    assert health_s < 0.8 < stats_s, f"/healthz took {health_s:.2f} s while the stats call ran ({stats_s:.2f} s)"

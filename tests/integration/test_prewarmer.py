@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 import redis
 import torch
+from sqlalchemy import update
 
 from shared.config import Settings
 from shared.db import session_scope
-from shared.models import JobTransition
+from shared.models import Job, JobTransition
 from shared.render.registry import TINY_WAN
 from shared.render.text import encoder_identity, texts_of
 from tests.integration.helpers import free_port, process_env, submit, wait_job
@@ -98,12 +99,15 @@ def test_the_prewarmer_encodes_queued_jobs_before_a_worker_claims_them(
 def test_an_encoder_free_worker_gives_the_job_back_until_a_prewarmer_answers(
     client, settings, start_worker, start_prewarmer, procs
 ):
-    with process_env(procs, VIDQ_WORKER_TEXT_ENCODER="remote", VIDQ_WORKER_REMOTE_ENCODE_TIMEOUT_S="15"):
+    with process_env(procs, VIDQ_WORKER_TEXT_ENCODER="remote", VIDQ_WORKER_REMOTE_ENCODE_TIMEOUT_S="2"):
         name = start_worker("video")
     assert '"text_encoder": "remote"' in procs.log_path(name).read_text()
     job = submit(client, prompt=f"a lighthouse in a storm {uuid.uuid4().hex[:6]}")
+    # Attempts enough to outlast the prewarmer's start, however slow this machine: each one waits 2 s.
+    with session_scope(settings) as session:
+        session.execute(update(Job).where(Job.id == uuid.UUID(job["id"])).values(max_attempts=100))
 
-    # No prewarmer: attempt 1 waits 15 s for embeddings, then hands the job back with the retryable reason.
+    # No prewarmer: the attempt waits for embeddings, then hands the job back with the retryable reason.
     wait_until(
         lambda: "embeddings_unavailable" in reasons(settings, job["id"]),
         timeout_s=60,
@@ -111,11 +115,10 @@ def test_an_encoder_free_worker_gives_the_job_back_until_a_prewarmer_answers(
     )
     assert client.get(f"/v1/jobs/{job['id']}").json()["status"] in {"queued", "running"}
 
-    start_prewarmer()  # attempt 2 is waiting for an answer by now, or will ask it
+    start_prewarmer()  # the next attempt asks it
     done = wait_job(client, job["id"], {"succeeded", "failed"}, timeout_s=90)
     assert done["status"] == "succeeded", done
-    # Attempt 2 succeeds when the prewarmer is up within its 15 s wait (a slow start may cost one more attempt).
-    assert done["attempt"] in (2, 3)
+    assert done["attempt"] >= 2
     assert reasons(settings, job["id"]).count("embeddings_unavailable") == done["attempt"] - 1
 
 

@@ -1,26 +1,21 @@
 """Webhook delivery through the real task: retries on the schedule (handed over by the sweeper), every attempt on
-record, failed and cancelled events, and the sweeper's housekeeping. The schedule's own cases (outages, a worker
-crash between attempts, 410, redelivery) are in test_webhook_schedule.py."""
+record, failed and cancelled events. The schedule's own cases (outages, a worker crash between attempts, 410,
+redelivery) are in test_webhook_schedule.py; the sweeper's housekeeping in tests/services/sweeper/."""
 
 from __future__ import annotations
 
 import threading
 import time
 import uuid
-from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
-from sqlalchemy import func, select
 from standardwebhooks.webhooks import Webhook
 
-from services.api.jobs_service import create_job
 from shared.db import session_scope
-from shared.models import IdempotencyKey, Job, Tenant
-from shared.schemas import JobCreate
 from shared.states import claim, fail
-from tests.integration.helpers import TINY, submit, sweeper, wait_job
+from tests.integration.helpers import submit, sweeper, wait_job
 
 
 class FlakyReceiver:
@@ -114,33 +109,3 @@ def test_cancel_and_failure_send_their_events(client, start_worker, receiver, se
     events = [b for b in receiver.json_bodies() if b["data"]["id"] == failing["id"]]
     assert events and events[0]["type"] == "job.failed"
     assert events[0]["data"]["error"] == {"code": "invalid_for_model", "message": "rejected"}
-
-
-def test_sweeper_expires_idempotency_keys(settings, tenant_key):
-    with session_scope(settings) as session:
-        tenant = session.get(Tenant, uuid.UUID(tenant_key["tenant_id"]))
-        job = create_job(session, settings, tenant=tenant, body=JobCreate(**TINY))
-        session.add(
-            IdempotencyKey(
-                tenant_id=tenant.id,
-                key="old",
-                request_hash="x",
-                job_id=job.id,
-                expires_at=datetime.now(UTC) - timedelta(seconds=1),
-            )
-        )
-        session.add(
-            IdempotencyKey(
-                tenant_id=tenant.id,
-                key="fresh",
-                request_hash="x",
-                job_id=job.id,
-                expires_at=datetime.now(UTC) + timedelta(hours=1),
-            )
-        )
-    report = sweeper(settings).sweep_once()
-    assert report.keys_expired == 1
-    with session_scope(settings) as session:
-        keys = session.execute(select(IdempotencyKey.key)).scalars().all()
-        assert keys == ["fresh"]
-        assert session.execute(select(func.count()).select_from(Job)).scalar_one() == 1

@@ -18,7 +18,6 @@ from typing import Any
 
 import httpx
 import pytest
-from sqlalchemy import text
 
 from shared.db import session_scope
 from shared.tenants import issue_key
@@ -212,34 +211,3 @@ def test_redeliver_makes_one_fresh_attempt_with_the_same_id(client, start_worker
     no_url = finished_job(client, None)
     r = client.post(f"/v1/jobs/{no_url['id']}/webhooks/redeliver")
     assert r.status_code == 409 and r.json()["error"]["code"] == "conflict"
-
-
-def test_sweeper_reads_only_the_due_index(settings, clean_state):
-    """The sweeper's step reads ix_webhook_deliveries_due (its predicate is provable from the query), so a tick
-    costs O(due), however many attempts the table holds. Seq scans are disabled: on a tiny table the planner
-    would rightly prefer one, and the point is that the index can serve the very SQL the step sends."""
-    from datetime import UTC, datetime
-
-    from sqlalchemy import event
-
-    from services.sweeper.sweeper import _webhook_retries_due
-    from shared.db import get_engine
-
-    engine = get_engine(settings)
-    sent: list[tuple[str, Any]] = []
-
-    def capture(conn: Any, cursor: Any, statement: str, params: Any, context: Any, many: bool) -> None:
-        sent.append((statement, params))
-
-    with session_scope(settings) as session:
-        event.listen(engine, "before_cursor_execute", capture)
-        try:
-            _webhook_retries_due(session, now=datetime.now(UTC), grace_s=60)
-        finally:
-            event.remove(engine, "before_cursor_execute", capture)
-        (statement, params) = [s for s in sent if "webhook_deliveries" in s[0]][-1]
-        session.execute(text("SET LOCAL enable_seqscan = off"))
-        cursor = session.connection().connection.cursor()
-        cursor.execute(f"EXPLAIN {statement}", params)
-        plan = "\n".join(row[0] for row in cursor.fetchall())
-    assert "ix_webhook_deliveries_due" in plan, plan

@@ -1,6 +1,6 @@
 """The state machine: its transition table (pure, no service), then against real Postgres: conditional
-transitions, fencing tokens, lease recovery. The Postgres tests are marked integration by tests/conftest.py,
-through the ``settings`` fixture they use."""
+transitions, fencing tokens, lease recovery, and the webhook mark a finishing transition sets. The Postgres tests
+are marked integration by tests/conftest.py, through the ``settings`` fixture they use."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from shared.states import (
     can_transition,
     claim,
     expired_leases,
+    fail,
     recover_expired,
     renew_lease,
     request_cancel,
@@ -134,3 +135,30 @@ def test_cancel_rules(settings, job_id):
         succeed(session, job_id, token=token, output={})
     with session_scope(settings) as session, pytest.raises(InvalidTransition):
         request_cancel(session, job_id, tenant_id=tenant)
+
+
+# --- the webhook mark: set by the UPDATE that finishes a job (the sweeper's side: tests/services/sweeper/) ---------
+
+
+def _job(settings, **body) -> uuid.UUID:
+    with session_scope(settings) as session:
+        tenant = get_or_create_tenant(session, "states")
+        return create_job(session, settings, tenant=tenant, body=JobCreate(**{**BODY, **body})).id
+
+
+def _mark(settings, job_id: uuid.UUID):
+    with session_scope(settings) as session:
+        return session.execute(select(Job.webhook_pending_since).where(Job.id == job_id)).scalar_one()
+
+
+def test_finishing_a_job_with_a_webhook_marks_it_in_the_same_update(settings, clean_state):
+    url = "https://example.com/hook"
+    succeeded, failed, cancelled = _job(settings, webhook_url=url), _job(settings), _job(settings, webhook_url=url)
+    with session_scope(settings) as session:
+        running = claim(session, succeeded, worker_id="w", lease_s=30)
+        assert running is not None and running.webhook_pending_since is None  # nothing to deliver yet
+        assert succeed(session, succeeded, token=running.attempt, output={}) is not None
+        assert fail(session, failed, token=None, code="x", message="y") is not None
+        request_cancel(session, cancelled, tenant_id=running.tenant_id)
+    assert _mark(settings, succeeded) is not None and _mark(settings, cancelled) is not None
+    assert _mark(settings, failed) is None  # no URL: nothing to deliver, and not in the index

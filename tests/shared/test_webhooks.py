@@ -24,7 +24,6 @@ from typing import Any
 import pytest
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
-from services.webhooks.tasks import outcome
 from shared.config import Settings
 from shared.webhooks.schedule import message_id, next_delay_s
 from shared.webhooks.signing import USER_AGENT, build_event, new_secret, sign
@@ -37,7 +36,6 @@ class Reply:
     status: int = 200
     body: bytes = b'{"received":true}'
     headers: dict[str, str] = field(default_factory=dict)
-    delay_s: float = 0.0
     # Takes over the whole response (writes raw bytes) when set.
     raw: Callable[[BaseHTTPRequestHandler], None] | None = None
 
@@ -68,7 +66,6 @@ def _start(host: str, *, scheme: str = "http", tls: ssl.SSLContext | None = None
             if reply.raw is not None:
                 reply.raw(self)
                 return
-            time.sleep(reply.delay_s)
             self.send_response(reply.status)
             for name, value in {"content-length": str(len(reply.body)), **reply.headers}.items():
                 self.send_header(name, value)
@@ -80,7 +77,7 @@ def _start(host: str, *, scheme: str = "http", tls: ssl.SSLContext | None = None
 
     class Server(ThreadingHTTPServer):
         address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        block_on_close = False  # a handler still sleeping after a client timeout must not stall teardown
+        block_on_close = False  # a handler still waiting after a client timeout must not stall teardown
 
         def handle_error(self, request: Any, client_address: Any) -> None:
             pass  # clients that hang up early (timeouts, refused certificates) are the point of some tests
@@ -277,21 +274,6 @@ def test_message_id_is_one_per_job_and_event() -> None:
     assert message_id(job, "job.succeeded") != message_id(job, "job.failed")
 
 
-def _result(status: int | None, *, retryable: bool, error: str | None = "x") -> DeliveryResult:
-    return DeliveryResult(status is not None and 200 <= status < 300, status, error, 1, "", retryable)
-
-
-def test_outcome_of_an_attempt() -> None:
-    settings = Settings(webhook_schedule_s=[1.0, 2.0], webhook_schedule_jitter=0.0)
-    assert outcome(_result(204, retryable=False, error=None), attempt=1, settings=settings) == ("delivered", None)
-    assert outcome(_result(503, retryable=True), attempt=1, settings=settings) == ("retry_scheduled", 1.0)
-    assert outcome(_result(None, retryable=True), attempt=2, settings=settings) == ("retry_scheduled", 2.0)
-    assert outcome(_result(429, retryable=True), attempt=3, settings=settings) == ("gave_up", None)  # schedule done
-    assert outcome(_result(410, retryable=False), attempt=1, settings=settings) == ("gone", None)
-    assert outcome(_result(400, retryable=False), attempt=1, settings=settings) == ("gave_up", None)
-    assert outcome(_result(302, retryable=False), attempt=1, settings=settings) == ("gave_up", None)
-
-
 # --- delivery -----------------------------------------------------------------------------------------------
 
 
@@ -375,26 +357,61 @@ def test_status_classification(receiver: Receiver, status: int, error: str | Non
     )  # fmt: skip
 
 
+# How long a receiver's handler waits for the test to release it: reached only when delivery is broken, so that no
+# server thread waits for ever.
+FALLBACK_S = 30.0
+
+
 def test_slow_receiver_times_out(receiver: Receiver) -> None:
-    receiver.reply = Reply(delay_s=1.5)
-    started = time.monotonic()
-    result = _post(receiver.url, timeout_s=0.3)
-    assert (result.ok, result.error, result.retryable) == (False, "timeout", True)
-    assert time.monotonic() - started < 1.0 and len(receiver.requests) == 1
+    """The receiver answers only once the test releases it, after the delivery returned: the delivery gave up
+    (timeout) without waiting for the answer."""
+    entered, release, answered = threading.Event(), threading.Event(), threading.Event()
+
+    def late(handler: BaseHTTPRequestHandler) -> None:
+        entered.set()
+        release.wait(FALLBACK_S)
+        answered.set()
+        handler.send_response(200)
+        handler.send_header("content-length", "0")
+        handler.end_headers()
+
+    receiver.reply = Reply(raw=late)
+    try:
+        result = _post(receiver.url, timeout_s=0.3)
+        assert (result.ok, result.error, result.retryable) == (False, "timeout", True)
+        assert not answered.is_set(), "the delivery waited for the receiver's answer"
+        assert entered.wait(FALLBACK_S)  # the request did reach the receiver (it may read it after the timeout)
+        assert len(receiver.requests) == 1
+    finally:
+        release.set()
 
 
 def test_dripping_receiver_cannot_outlast_the_total_timeout(receiver: Receiver) -> None:
+    """The receiver drips a byte every 50 ms, well within the per-read timeout, until the test stops it: only the
+    total timeout can end the delivery, and it does while the receiver is still dripping."""
+    release, drip_ended, hung_up = threading.Event(), threading.Event(), threading.Event()
+
     def drip(handler: BaseHTTPRequestHandler) -> None:
-        handler.wfile.write(b"HTTP/1.1 200 OK\r\n")
-        for _ in range(40):  # each byte arrives well within the per-read timeout
-            handler.wfile.write(b"X")
-            handler.wfile.flush()
-            time.sleep(0.05)
+        try:
+            handler.wfile.write(b"HTTP/1.1 200 OK\r\n")
+            for _ in range(int(FALLBACK_S / 0.05)):  # the fallback: at least FALLBACK_S of dripping
+                if release.wait(0.05):
+                    break
+                handler.wfile.write(b"X")
+                handler.wfile.flush()
+        except OSError:  # the client hung up: the next byte had nowhere to go
+            hung_up.set()
+            return
+        drip_ended.set()
 
     receiver.reply = Reply(raw=drip)
-    started = time.monotonic()
-    result = _post(receiver.url, timeout_s=0.4)
-    assert result.error == "timeout" and time.monotonic() - started < 1.0
+    try:
+        result = _post(receiver.url, timeout_s=0.4)
+        assert (result.ok, result.error, result.retryable) == (False, "timeout", True)
+        assert not drip_ended.is_set(), "the delivery lasted until the receiver stopped dripping"
+        assert hung_up.wait(FALLBACK_S), "the delivery returned, but kept its connection open"
+    finally:
+        release.set()
 
 
 def test_refused_connection_is_retryable() -> None:

@@ -99,6 +99,9 @@ def test_each_worker_gets_its_gpu_cpus_port_and_liveness_file() -> None:
     )
 
 
+# The children import services.* from the repository: tests/services/worker/ is three levels below it.
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
 # A stand-in for `vidq worker`: pins itself as the real one does, reports, and stops on SIGTERM (exit 0).
 CHILD = """
 import json, os, signal, sys, time
@@ -130,7 +133,7 @@ def wait_for(check: Any, timeout_s: float = 30) -> None:
 def test_the_supervisor_runs_one_pinned_process_per_gpu_restarts_a_dead_one_and_stops_all(tmp_path: Path) -> None:
     cpus = sorted(os.sched_getaffinity(0))
     gpus = [Gpu(0, "GPU-A", "H200", (cpus[0],)), Gpu(1, "GPU-B", "H200", tuple(cpus[-1:]))]
-    root = str(Path(__file__).resolve().parents[2])
+    root = str(REPO_ROOT)
     workers = GpuWorkers(
         gpus,
         argv=lambda gpu: [sys.executable, "-c", CHILD, str(tmp_path)],
@@ -185,7 +188,7 @@ open(os.path.join(sys.argv[1], f"{os.getpid()}.json"), "w").write(json.dumps(rep
 @pytest.mark.gpu
 def test_on_real_gpus_each_worker_sees_exactly_its_own_gpu_and_runs_on_its_numa_cpus(tmp_path: Path) -> None:
     gpus = list_gpus()
-    root = str(Path(__file__).resolve().parents[2])
+    root = str(REPO_ROOT)
     workers = GpuWorkers(
         gpus,
         argv=lambda gpu: [sys.executable, "-c", GPU_CHILD, str(tmp_path)],

@@ -10,6 +10,8 @@ from starlette.types import Receive, Scope, Send
 
 from services.api.admission import AdmissionLimit
 
+HANG_GUARD_S = 30.0  # the burst settles within the queue timeout (0.2 s); this only ends a broken test
+
 
 class _Gate:
     """An ASGI app whose requests stay in flight until the test opens the gate."""
@@ -34,7 +36,11 @@ async def _burst(n: int, *, path: str = "/v1/jobs") -> tuple[Counter[int], _Gate
     app = AdmissionLimit(gate, limit=3, queue_timeout_s=0.2, retry_after_s=2)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
         pending = [asyncio.create_task(http.get(path)) for _ in range(n)]
-        await asyncio.sleep(0.5)  # past the queue timeout: the overflow has been refused by now
+        # The gate opens once every request is either answered or held at the gate: none is still waiting for a
+        # slot, so each request queued past the limit has had its whole queue timeout (a condition, not a sleep).
+        async with asyncio.timeout(HANG_GUARD_S):
+            while sum(task.done() for task in pending) + gate.inside < n:
+                await asyncio.sleep(0.01)
         gate.opened.set()
         responses = await asyncio.gather(*pending)
     return Counter(r.status_code for r in responses), gate, responses

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.helpers import free_port
+from tests.integration.helpers import free_port, kill_after_test
 from tests.integration.launcher import Launcher
 from tools.processes import ProcessGroup, vidq_argv, wait_for_log, wait_http
 
@@ -76,7 +76,7 @@ def start_worker(procs: ProcessGroup) -> Iterator[WorkerFactory]:
     yield start
     for name in started:
         if name in procs.procs:
-            procs.stop(name, timeout_s=15)
+            kill_after_test(procs, name)
 
 
 class Hold:

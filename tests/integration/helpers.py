@@ -92,3 +92,11 @@ def process_env(procs: ProcessGroup, **values: str) -> Iterator[dict[str, str]]:
                 procs.env.pop(key, None)
             else:
                 procs.env[key] = old
+
+
+def kill_after_test(procs: ProcessGroup, name: str) -> None:
+    """A test's process, once the test is over: SIGKILL, as only its being gone matters now. A worker's warm
+    shutdown costs ~4 s of Celery's pool join, and is itself what test_worker_faults.py and test_worker_process.py
+    check. What a killed worker held unacknowledged lies under the session's broker key prefix, which the next
+    test's clean_state empties."""
+    procs.kill(name)

@@ -33,7 +33,7 @@ from shared.tenants import issue_key
 from tests.conftest import _delete_broker_keys
 from tests.integration.helpers import TINY, free_port
 from tools.devstack.embedded import EmbeddedPostgres
-from tools.processes import ProcessGroup, vidq_argv, wait_for_log, wait_http, wait_until
+from tools.processes import ProcessGroup, log_tail, vidq_argv, wait_http, wait_until
 
 JOBS = 20
 OUTAGE_S = 10.0
@@ -120,13 +120,10 @@ def test_postgres_outage_delays_jobs_by_the_outage_and_strands_none(
     group.env["VIDQ_PUBLIC_BASE_URL"] = url
     group.start("api", vidq_argv("api", "--no-migrate", "--port", str(port)))
     group.start("sweeper", vidq_argv("sweep", "--forever"))
-    group.start("worker", vidq_argv("worker", "--role", "video", "--name", f"outage-{uuid.uuid4().hex[:6]}"))
     wait_http(f"{url}/readyz", timeout_s=60, group=group)
-    wait_for_log(group, "worker", "ready.", timeout_s=120)
-    wait_for_log(group, "worker", "pipeline loaded", timeout_s=120)
+    worker_log = group.log_path("worker")
 
     with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=15) as client:
-        # The worker is idle; 20 jobs take it about 10 s, so most of their messages reach it during the outage.
         ids = []
         for seed in range(JOBS):
             r = client.post("/v1/jobs", json={**JOB, "seed": seed})
@@ -135,8 +132,15 @@ def test_postgres_outage_delays_jobs_by_the_outage_and_strands_none(
 
         _stop_immediately(pg)
         down_at = time.monotonic()
+        # The worker starts during the outage: the jobs' messages surely reach it while Postgres is down. The outage
+        # lasts OUTAGE_S, and at least until the worker has met it at a claim (the fault proven, not assumed).
+        group.start("worker", vidq_argv("worker", "--role", "video", "--name", f"outage-{uuid.uuid4().hex[:6]}"))
         answers: list[tuple[str, httpx.Response | Exception]] = []
-        while time.monotonic() < down_at + OUTAGE_S - 1:
+        met = False
+        while time.monotonic() < down_at + OUTAGE_S - 1 or not met:
+            assert time.monotonic() < down_at + 120, f"the worker never met the outage:\n{log_tail(worker_log)}"
+            group.check_alive()
+            met = met or "Postgres unreachable at claim" in worker_log.read_text(errors="replace")
             answers.append(("POST", _ask(lambda: client.post("/v1/jobs", json=JOB))))
             answers.append(("GET", _ask(lambda: client.get(f"/v1/jobs/{ids[-1]}"))))
             answers.append(("readyz", _ask(lambda: httpx.get(f"{url}/readyz", timeout=15))))
@@ -174,9 +178,6 @@ def test_postgres_outage_delays_jobs_by_the_outage_and_strands_none(
             ).all()
         )
     assert {str(job_id): n for job_id, n in successes.items()} == {i: 1 for i in ids}
-    # The fault was really met where the issue found it: the worker held messages it could not claim.
-    worker_log = group.log_path("worker").read_text(errors="replace")
-    assert "Postgres unreachable at claim" in worker_log
 
     # During the outage the API answered 503 in the error envelope with Retry-After: never a 500, a reset or a
     # hang; /readyz named Postgres as the dependency that was down.

@@ -20,7 +20,7 @@ from shared.db import session_scope
 from shared.models import Job, JobTransition
 from shared.render.registry import TINY_WAN
 from shared.render.text import encoder_identity, texts_of
-from tests.integration.helpers import free_port, process_env, submit, wait_job
+from tests.integration.helpers import free_port, kill_after_test, process_env, submit, wait_job
 from tools.processes import ProcessGroup, vidq_argv, wait_until
 
 
@@ -41,7 +41,7 @@ def start_prewarmer(procs: ProcessGroup, tmp_path: Path) -> Iterator[Callable[[]
     yield start
     for name in started:
         if name in procs.procs:
-            procs.stop(name, timeout_s=15)
+            kill_after_test(procs, name)
 
 
 def key_of(text: str) -> str:

@@ -32,7 +32,7 @@ from shared.config import Settings
 from shared.db import session_scope
 from shared.models import Job
 from tests.integration.conftest import Receiver
-from tests.integration.helpers import TINY, db_job, free_port, process_env, queue_key, wait_job
+from tests.integration.helpers import TINY, db_job, free_port, kill_after_test, process_env, queue_key, wait_job
 from tools.processes import ProcessGroup, StartupError, vidq_argv, wait_for_log, wait_http, wait_until
 
 STAGES = ["claim", "embeddings", "denoise", "decode", "encode", "upload", "finalize", "webhook"]
@@ -163,7 +163,7 @@ class Traced:
 
     def stop_workers(self) -> None:
         for name in [n for n in self.group.procs if n.startswith("traced-")]:
-            self.group.stop(name, timeout_s=15)
+            kill_after_test(self.group, name)
 
 
 @pytest.fixture

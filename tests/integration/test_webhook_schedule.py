@@ -22,6 +22,7 @@ import pytest
 from shared.db import session_scope
 from shared.tenants import issue_key
 from tests.integration.helpers import free_port, submit, sweeper
+from tools.processes import wait_until
 
 
 class SwitchableReceiver:
@@ -138,9 +139,11 @@ def test_worker_crash_between_attempts_loses_nothing(client, start_worker, procs
     assert first["next_attempt_at"] is not None  # the retry's time is in Postgres, not in a broker countdown
     procs.kill(worker)  # a crash: nothing of the worker's survives
     hook.up(204)
-    time.sleep(0.5)  # the retry is due now, and no worker is there to make it
-    report = sweeper(settings).sweep_once()  # hands the due attempt to the webhook queue
-    assert report.webhook_retries == [uuid.UUID(job["id"])]
+    # Once the retry is due (the first delay of the schedule), a sweep hands it to the webhook queue: no worker
+    # is there to make it.
+    sw, handed = sweeper(settings), list[uuid.UUID]()
+    wait_until(lambda: bool(handed.extend(sw.sweep_once().webhook_retries) or handed), timeout_s=30, what="a sweep")
+    assert handed == [uuid.UUID(job["id"])]
     start_worker("webhooks")
     rows = wait_attempts(client, job["id"], 2)
     assert [(r["attempt"], r["ok"]) for r in rows] == [(1, False), (2, True)]

@@ -1,4 +1,4 @@
-"""shared/dispatch.py's rule (invariant 2): a message registered in a unit of work is sent only if its transaction
+"""shared/dispatch.py's rule: a message registered in a unit of work is sent only if its transaction
 committed, and only after the commit. No services: a SQLite database file holds the unit of work's change, and a
 fake Celery app hands dispatch a publisher that records each send together with what another connection sees
 committed at that moment."""

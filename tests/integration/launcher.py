@@ -212,6 +212,7 @@ class Launcher:
 
         if list(argv[:2]) != [sys.executable, "-m"]:  # not a Python module of this interpreter: started as usual
             return popen_in_session(argv, log_path=log_path, cwd=cwd, env=env)
+        log_path.touch()  # there once started, as with popen_in_session (the child opens it after the fork)
         request = {
             "op": "spawn",
             "argv": list(argv),

@@ -110,7 +110,7 @@ def _stop(group: ProcessGroup, *, worker_grace_s: float) -> None:
         return
     if "worker" in group.procs:
         console.print(
-            f"[dim]stopping: the video worker finishes its running job (at most {worker_grace_s:g} s); "
+            f"[dim]stopping: a job the video worker is running has up to {worker_grace_s:g} s to finish; "
             "Ctrl-C again stops at once[/]"
         )
     try:

@@ -106,8 +106,6 @@ def _stop(group: ProcessGroup, *, worker_grace_s: float) -> None:
     """Every process at once: SIGTERM to all, so the stop takes the longest wait, not their sum. The video worker
     finishes its running job within its grace (VIDQ_WORKER_SHUTDOWN_GRACE_S) or stops hard at its end, leaving the
     job to its lease (the sweeper runs it again). A second Ctrl-C stops everything at once."""
-    if not group.procs:
-        return
     if "worker" in group.procs:
         console.print(
             f"[dim]stopping: a job the video worker is running has up to {worker_grace_s:g} s to finish; "

@@ -30,13 +30,12 @@ from shared.celery_app import VidqCelery
 from shared.config import Settings
 from shared.db import session_scope
 from shared.dispatch import after_transition_commit
-from shared.errors import JobCancelled, LeaseLost
+from shared.errors import EmbeddingsUnavailable, JobCancelled, LeaseLost
 from shared.models import Job
 from shared.progress import ProgressPublisher
 from shared.spec import GenerationSpec
 from shared.states import JobStatus, cancelled_by_worker, claim, fail, release_for_retry, succeed
 from shared.storage import Storage, StoredObject, poster_key, video_key
-from shared.textcache.remote import EmbeddingsUnavailable
 from shared.tracing import stage_span
 
 if TYPE_CHECKING:  # the render code (torch) is imported where a job renders, not when the task module loads

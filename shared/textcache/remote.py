@@ -18,12 +18,9 @@ from dataclasses import asdict, dataclass
 import redis
 import torch
 
+from shared.errors import EmbeddingsUnavailable
 from shared.render.text import EncoderIdentity
 from shared.textcache.codec import CorruptEntry, unpack
-
-
-class EmbeddingsUnavailable(Exception):
-    """No embedding for a text: no tier has it, and no prewarmer answered in time. Retryable."""
 
 
 def requests_key(prefix: str) -> str:

@@ -6,12 +6,14 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import httpx
+import psutil
 
 from shared.storage import Storage
 from tests.integration.helpers import free_port, submit, transitions, wait_job
-from tools.processes import vidq_argv, wait_for_log
+from tools.processes import ProcessGroup, vidq_argv, wait_for_log
 
 
 def test_sigterm_mid_job_finishes_it_once_then_exits(client, start_worker, procs, settings, tenant_key, hold):
@@ -65,3 +67,26 @@ def test_worker_serves_metrics_and_a_liveness_signal(client, start_worker, procs
     procs.stop(name)  # a clean stop removes the signal; the probe then fails
     probe = subprocess.run(vidq_argv("worker-alive"), env=env, capture_output=True, text=True, timeout=60)
     assert probe.returncode == 1
+
+
+def _loads_torch(pid: int) -> bool:
+    """Whether torch's shared library is mapped into process ``pid`` (importing torch maps it; nothing unmaps it)."""
+    return any("libtorch" in line for line in Path(f"/proc/{pid}/maps").read_text().splitlines())
+
+
+def test_the_main_process_never_loads_torch(procs, tmp_path):
+    """Celery forks the pool process from its main process, and a process that has initialised CUDA cannot fork a
+    child that uses it ("Cannot re-initialize CUDA in forked subprocess"). torch decides whether CUDA is there when
+    diffusers is imported, so the main process must not import torch at all: only the pool process renders.
+
+    Started by exec, not forked from the test launcher (which holds torch for fast starts)."""
+    plain = ProcessGroup(env=dict(procs.env), log_dir=tmp_path)
+    proc = plain.start("torch-free", vidq_argv("worker", "--role", "video", "--name", "torch-free"))
+    try:
+        wait_for_log(plain, "torch-free", "pipeline loaded", timeout_s=180)
+        pool = psutil.Process(proc.pid).children()
+        assert len(pool) == 1  # concurrency 1: one pool process
+        assert _loads_torch(pool[0].pid)  # the pool process rendered with it: the check sees torch where it is
+        assert not _loads_torch(proc.pid)
+    finally:
+        plain.stop_all(timeout_s=10)

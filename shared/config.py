@@ -11,6 +11,8 @@ from typing import Literal
 from pydantic import Field, PostgresDsn, RedisDsn, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared.spec import Precision
+
 MonitoredTier = Literal["overall", "l1", "l2", "l3"]
 PLACEHOLDER_SECRETS = {"", "change-me", "dev", "minioadmin", "secret"}
 
@@ -147,6 +149,9 @@ class Settings(BaseSettings):
     model_dir: str | None = None  # local diffusers folder served as model "local"
     device: str | None = None  # "cuda", "cpu"; None = cuda if available
     cuda_dtype: Literal["bfloat16", "float16"] = "bfloat16"
+    # The precision tier a worker renders a job in when the job names none (a job's own `precision` wins): exact
+    # (bf16 with kernels that keep the math) or fast (8-bit; until that path is built, fast renders as exact).
+    worker_precision: Precision = "exact"
     # resident: every weight stays on the GPU. low_vram: the transformer and text encoder stay in CPU RAM and are
     # streamed to the GPU block by block (diffusers group offloading on a side stream), the VAE decodes in tiles. A
     # resident worker that runs out of GPU memory retries the job once in low_vram and keeps that model there.

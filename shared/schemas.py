@@ -18,7 +18,20 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from shared.config import Settings
 from shared.errors import InvalidRequest
-from shared.spec import Dimension, Fps, GenerationSpec, GuidanceScale, Prompt, Seed, Steps, Text, frames_for
+from shared.spec import (
+    PRECISION_DESCRIPTION,
+    PRECISIONS,
+    Dimension,
+    Fps,
+    GenerationSpec,
+    GuidanceScale,
+    Precision,
+    Prompt,
+    Seed,
+    Steps,
+    Text,
+    frames_for,
+)
 from shared.webhooks.urls import validate_webhook_url
 
 # Presets are landscape; 1080p is 1088 high because Wan needs multiples of 16.
@@ -38,7 +51,8 @@ def _compact_json(value: Any) -> str:
 
 class JobCreate(BaseModel):
     """``POST /v1/jobs``: the spec's fields, with a duration instead of a frame count, a resolution preset as an
-    alternative to width/height, and defaults; plus where to send the webhook and the caller's metadata."""
+    alternative to width/height, and defaults (``precision`` left out: the worker's); plus where to send the webhook
+    and the caller's metadata."""
 
     model_config = ConfigDict(extra="forbid", str_strip_whitespace=True)
 
@@ -53,6 +67,7 @@ class JobCreate(BaseModel):
     guidance_scale: GuidanceScale = 5.0
     seed: Seed | None = None
     model: str | None = None
+    precision: Precision | None = Field(default=None, description=PRECISION_DESCRIPTION)
     webhook_url: str | None = None
     metadata: dict[str, MetadataValue] = Field(default_factory=dict)
     cache: bool = Field(
@@ -71,6 +86,14 @@ class JobCreate(BaseModel):
                 raise ValueError(f"metadata[{key!r}] must be a finite number (JSON has no NaN or Infinity)")
             if isinstance(value, str) and "\x00" in value:
                 raise ValueError(f"metadata[{key!r}] must not contain NUL characters")
+        return v
+
+    @field_validator("precision", mode="before")
+    @classmethod
+    def _precision(cls, v: object) -> object:
+        if v is not None and v not in PRECISIONS:  # checked before the type, for a message that names the field
+            allowed = " or ".join(repr(p) for p in PRECISIONS)
+            raise ValueError(f"precision must be {allowed}, or left out for the worker's default")
         return v
 
     @field_validator("webhook_url")
@@ -96,6 +119,7 @@ class JobCreate(BaseModel):
             steps=self.steps,
             guidance_scale=self.guidance_scale,
             seed=self.seed if self.seed is not None else secrets.randbelow(2**32),
+            precision=self.precision,
         )
 
     def size(self) -> tuple[int, int]:
@@ -157,9 +181,12 @@ class JobCreate(BaseModel):
 
     def fingerprint(self) -> str:
         """What makes two submissions 'the same request' for Idempotency-Key (the body as sent, canonical). ``cache``
-        is part of the body (``false`` is another request), but left out at its default so that keys stored before
-        the field existed still match their retries."""
-        body = self.model_dump(mode="json", exclude_none=False, exclude={"cache"} if self.cache else None)
+        and ``precision`` are part of the body (``false``, or a precision named, is another request), but left out
+        at their defaults so that keys stored before the fields existed still match their retries."""
+        unchanged = {"cache"} if self.cache else set()
+        if self.precision is None:
+            unchanged.add("precision")
+        body = self.model_dump(mode="json", exclude_none=False, exclude=unchanged)
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 

@@ -1,9 +1,11 @@
 """A job's generation parameters, defined once.
 
 ``GenerationSpec`` is what a worker needs to render one video; it is stored with the job (``jobs.spec``) and the
-API's job body extends it (shared/schemas.py ``JobOut``). The request (``JobCreate``) builds its optional fields
-from the same annotated types below, so each rule of the pipeline (H, W multiples of 16; frames 4k+1; steps ≥ 1;
-…) is written once. Caps that an operator sets (``VIDQ_MAX_*``) are checked in ``JobCreate.to_spec``.
+API's job body extends it (shared/schemas.py ``JobOut``). Every field is resolved at submit except ``precision``,
+which a job may leave to the worker (``None``: the worker's ``VIDQ_WORKER_PRECISION``). The request (``JobCreate``)
+builds its optional fields from the same annotated types below, so each rule of the pipeline (H, W multiples of 16;
+frames 4k+1; steps ≥ 1; precision one of ``PRECISIONS``; …) is written once. Caps that an operator sets
+(``VIDQ_MAX_*``) are checked in ``JobCreate.to_spec``.
 
 ``GenerationSpec.result_key`` is the result cache's match key (README, "Result cache"): two jobs of one tenant
 with the same key would render the same video, so the second may reuse the first one's MP4.
@@ -14,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
@@ -45,6 +47,16 @@ Fps = Annotated[int, Field(ge=1)]
 Steps = Annotated[int, Field(ge=1)]
 GuidanceScale = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 Seed = Annotated[int, Field(ge=0, le=2**32 - 1)]
+# The GPU render's numeric tier. exact: bf16 with kernels that keep the math. fast: 8-bit (until that path is built,
+# a fast job renders as exact; when it is, bump RESULT_KEY_VERSION: the keys of fast jobs made before then name
+# exact renders).
+Precision = Literal["exact", "fast"]
+PRECISIONS: tuple[Precision, ...] = ("exact", "fast")
+PRECISION_DESCRIPTION = (
+    "the render's numeric tier: 'exact' (bf16 with kernels that keep the math) or 'fast' (8-bit; until that path is "
+    "built, a fast job renders as exact). Null or left out: the worker's default (VIDQ_WORKER_PRECISION, 'exact' "
+    "unless the operator changes it)"
+)
 
 # Part of every result key (GenerationSpec.result_key): bumping it retires every stored key at once.
 RESULT_KEY_VERSION = 1
@@ -57,7 +69,12 @@ def frames_for(duration_s: float, fps: int) -> int:
 
 
 class GenerationSpec(BaseModel):
-    """What a worker needs to render one video: every value resolved (no defaults left to the worker)."""
+    """What a worker needs to render one video: every value resolved at submit, except ``precision``, which may be
+    left to the worker (``None``: the worker renders in its ``VIDQ_WORKER_PRECISION``).
+
+    Optional fields (default ``None``) are left out of the stored form while they are ``None`` and read back as
+    ``None`` when a stored spec lacks them: a field added that way changes neither the stored spec nor the result
+    key of a job that does not use it (jobs stored before it existed included)."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -71,28 +88,39 @@ class GenerationSpec(BaseModel):
     steps: Steps
     guidance_scale: GuidanceScale
     seed: Seed
+    precision: Precision | None = Field(default=None, description=PRECISION_DESCRIPTION)
 
     def to_dict(self) -> dict[str, Any]:
-        """The stored form (``jobs.spec``, JSON)."""
-        return self.model_dump(mode="json")
+        """The stored form (``jobs.spec``, JSON): every field, except an optional one (default ``None``) that is
+        ``None`` (a job that names no precision is stored, and keyed, as before the field existed)."""
+        unset = {name for name, field in type(self).model_fields.items() if field.default is None}
+        return self.model_dump(mode="json", exclude={name for name in unset if getattr(self, name) is None})
 
     def result_key(self) -> str:
         """The result cache's match key: sha256 (hex) of the canonical JSON (sorted keys, compact) of EVERY field
-        of the spec, under a version tag.
+        of the spec (an optional one only when set), under a version tag.
 
         Every field is in it because every field is a render parameter: the spec is exactly what the worker is
         given, so equal specs ask for the same video, and a spec that differs in anything (the model, either
-        prompt, the seed, size, frames, fps, steps, guidance) may not reuse it. It hashes ``to_dict()`` rather
-        than a list of names, so a render parameter added to this class later is in the key without anyone
-        remembering to add it. What is not a render parameter (webhook URL, metadata, the request's ``cache``
-        flag) is not in the spec, so not in the key. A request without a seed is given a random one when it is
-        resolved (``JobCreate.to_spec``), so it practically never matches: a different seed is a different
-        video. ``RESULT_KEY_VERSION`` is bumped when the same spec would render differently (new weights behind
-        a model name, a changed encoder): keys made before then stop matching."""
+        prompt, the seed, size, frames, fps, steps, guidance, a precision named) may not reuse it. It hashes
+        ``to_dict()`` rather than a list of names, so a render parameter added to this class later is in the key
+        without anyone remembering to add it; an optional one is in it only when set (``to_dict`` leaves it out at
+        ``None``), so keys made before it existed still match. A job that names no precision is keyed without
+        one, so it may reuse a video rendered in whichever tier was the workers' default when that video was made.
+        What is not a render parameter (webhook URL, metadata, the request's ``cache`` flag) is not in the spec, so
+        not in the key. A request without a seed is given a random one when it is resolved (``JobCreate.to_spec``),
+        so it practically never matches: a different seed is a different video. ``RESULT_KEY_VERSION`` is bumped
+        when the same spec would render differently (new weights behind a model name, a changed encoder, a tier's
+        numbers changed): keys made before then stop matching."""
         document = {"v": RESULT_KEY_VERSION, "spec": self.to_dict()}
         canonical = json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
         return hashlib.sha256(canonical.encode()).hexdigest()
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GenerationSpec:
-        return cls.model_validate({name: data[name] for name in cls.model_fields})
+        """A stored spec (``jobs.spec``); a field with a default that the stored form lacks (an optional field left
+        out at ``None``, or a spec stored before the field existed) takes its default. A missing required field is
+        a KeyError."""
+        return cls.model_validate(
+            {name: data[name] for name, field in cls.model_fields.items() if name in data or field.is_required()}
+        )

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import uuid
+
 import httpx
 import pytest
+import redis
 from sqlalchemy import func, select
 
 from shared.db import session_scope
 from shared.models import IdempotencyKey, Job
-from tests.integration.helpers import TINY, submit
+from shared.queues import Queue
+from shared.spec import GenerationSpec
+from tests.integration.helpers import TINY, queue_key, submit
 
 
 def job_count(settings) -> int:
@@ -45,6 +50,9 @@ BAD_BODIES = {
     "NUL in metadata value": {"metadata": {"k": "a\x00"}},
     "empty metadata key": {"metadata": {"": 1}},
     "wrong type": {"steps": "many"},
+    "unknown precision": {"precision": "turbo"},
+    "precision in capitals": {"precision": "FAST"},
+    "precision not a string": {"precision": 8},
 }
 
 
@@ -74,6 +82,65 @@ def test_malformed_json_is_422(client, settings, raw):
     r = client.post("/v1/jobs", content=raw, headers={"content-type": "application/json"})
     assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_request"
     assert job_count(settings) == before
+
+
+def test_an_unknown_precision_is_a_422_that_names_it_and_writes_and_sends_nothing(client, settings):
+    r = client.post("/v1/jobs", json={**TINY, "precision": "turbo"})
+    assert r.status_code == 422, r.text
+    error = r.json()["error"]
+    assert error["code"] == "invalid_request"
+    assert error["message"] == "precision must be 'exact' or 'fast', or left out for the worker's default"
+    assert [d["loc"] for d in error["details"]] == [["body", "precision"]]
+    assert job_count(settings) == 0
+    broker = redis.Redis.from_url(str(settings.broker_url), socket_timeout=5)
+    try:
+        assert [broker.llen(queue_key(settings, q.value)) for q in Queue] == [0] * len(Queue)
+    finally:
+        broker.close()
+
+
+def stored_spec(settings, job_id: str) -> tuple[dict, str | None]:
+    with session_scope(settings) as session:
+        job = session.get(Job, uuid.UUID(job_id))
+        assert job is not None
+        return dict(job.spec), job.result_key
+
+
+@pytest.mark.parametrize("precision", ["exact", "fast"])
+def test_a_named_precision_is_stored_and_shown_on_every_read(client, settings, precision):
+    job = submit(client, precision=precision)
+    assert job["precision"] == precision
+    spec, key = stored_spec(settings, job["id"])
+    assert spec["precision"] == precision and key == GenerationSpec.from_dict(spec).result_key()
+    assert client.get(f"/v1/jobs/{job['id']}").json()["precision"] == precision
+    assert [j["precision"] for j in client.get("/v1/jobs").json()["data"]] == [precision]
+
+
+def test_a_job_that_names_no_precision_shows_null_and_stores_todays_spec_and_key(client, settings):
+    job = submit(client)
+    assert job["precision"] is None
+    spec, key = stored_spec(settings, job["id"])
+    assert "precision" not in spec  # stored as before the field existed
+    without = GenerationSpec.from_dict(spec)
+    assert without.precision is None and key == without.result_key()
+    assert key != without.model_copy(update={"precision": "exact"}).result_key()
+    assert client.get(f"/v1/jobs/{job['id']}").json()["precision"] is None
+    assert [j["precision"] for j in client.get("/v1/jobs").json()["data"]] == [None]
+    # Naming a precision is another request for Idempotency-Key; leaving it out (or null) is the same one.
+    headers = {"Idempotency-Key": "precision-1"}
+    first = client.post("/v1/jobs", json=TINY, headers=headers)
+    assert client.post("/v1/jobs", json={**TINY, "precision": None}, headers=headers).json()["id"] == first.json()["id"]
+    other = client.post("/v1/jobs", json={**TINY, "precision": "exact"}, headers=headers)
+    assert other.status_code == 422 and other.json()["error"]["code"] == "idempotency_key_reused"
+
+
+def test_openapi_documents_precision(api_url):
+    schemas = httpx.get(f"{api_url}/openapi.json").json()["components"]["schemas"]
+    for name in ("JobCreate", "JobOut"):
+        field = schemas[name]["properties"]["precision"]
+        assert {"enum": ["exact", "fast"], "type": "string"} in field["anyOf"], (name, field)
+        assert "worker's default" in field["description"] and "8-bit" in field["description"], name
+    assert "precision" not in schemas["JobCreate"].get("required", [])
 
 
 def test_resolution_preset_and_frames_are_derived(client):

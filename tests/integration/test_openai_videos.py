@@ -119,11 +119,19 @@ def test_create_and_poll_renders_downloads_and_sends_a_verifiable_webhook(
     assert Storage(settings).exists(db_job(settings, job["id"]).output_key or "")
 
 
-def test_json_create_maps_parameters_and_retrieve_follows_the_job(videos, api_url, tenant_key):
+def test_json_create_maps_parameters_and_retrieve_follows_the_job(videos, api_url, tenant_key, settings):
     r = httpx.post(
         f"{api_url}/v1/videos",
         headers={"Authorization": f"Bearer {tenant_key['api_key']}"},
-        json={"prompt": "tide pools at dawn", "size": "96x64", "seconds": "2", "steps": 3, "seed": 9, "fps": 8},
+        json={
+            "prompt": "tide pools at dawn",
+            "size": "96x64",
+            "seconds": "2",
+            "steps": 3,
+            "seed": 9,
+            "fps": 8,
+            "precision": "fast",
+        },
         timeout=30,
     )
     assert r.status_code == 200, r.text
@@ -139,6 +147,7 @@ def test_json_create_maps_parameters_and_retrieve_follows_the_job(videos, api_ur
         f"{api_url}/v1/jobs/{job_id(video.id)}", headers={"Authorization": f"Bearer {tenant_key['api_key']}"}
     ).json()
     assert (job["width"], job["height"], job["num_frames"], job["steps"], job["seed"]) == (96, 64, 17, 3, 9)
+    assert job["precision"] == "fast" and db_job(settings, job["id"]).spec["precision"] == "fast"
     # The bare job id names the same video.
     assert videos.videos.retrieve(job_id(video.id)).id == video.id
 
@@ -147,6 +156,21 @@ def test_json_create_maps_parameters_and_retrieve_follows_the_job(videos, api_ur
     first = videos.videos.with_raw_response.create(**once)
     again = videos.videos.with_raw_response.create(**once)
     assert first.parse().id == again.parse().id and again.headers["idempotent-replayed"] == "true"
+
+
+def test_the_sdks_extra_body_carries_precision_into_the_spec(videos, client, settings):
+    named = {
+        precision: videos.videos.create(
+            prompt=f"a {precision} render", **FAST, extra_body={**FAST_EXTRA, "precision": precision}
+        )
+        for precision in ("exact", "fast")
+    }
+    unnamed = videos.videos.create(prompt="a render at the worker's default", **FAST, extra_body=FAST_EXTRA)
+    for precision, video in [*named.items(), (None, unnamed)]:
+        job = client.get(f"/v1/jobs/{job_id(video.id)}").raise_for_status().json()
+        assert job["precision"] == precision, video.id
+        assert db_job(settings, job["id"]).spec.get("precision", None) == precision
+    assert "precision" not in db_job(settings, job_id(unnamed.id)).spec  # stored as before the field existed
 
 
 def test_list_pages_with_after_limit_and_order_and_shows_one_tenant_only(videos, other_tenant, client):
@@ -240,6 +264,8 @@ def test_a_cancelled_job_is_a_failed_video_with_a_video_failed_webhook(
         ({"model": "dall-e-3"}, "model"),
         ({"extra_body": {"steps": 0}}, "steps"),
         ({"extra_body": {"resolution": "480p"}}, "resolution"),  # not a parameter of this API
+        ({"extra_body": {"precision": "turbo"}}, "precision"),
+        ({"extra_body": {"precision": "EXACT"}}, "precision"),
     ],
 )
 def test_bad_parameters_are_openai_400s(videos, params, param):

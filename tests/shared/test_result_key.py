@@ -11,7 +11,7 @@ import pytest
 
 from shared.config import Settings
 from shared.schemas import JobCreate
-from shared.spec import GenerationSpec
+from shared.spec import RESULT_KEY_VERSION, GenerationSpec
 
 SETTINGS = Settings(env="test")
 BODY: dict[str, Any] = {"prompt": "a small red boat", "width": 64, "height": 64, "fps": 8, "steps": 4, "seed": 1}
@@ -29,6 +29,7 @@ CHANGED: dict[str, Any] = {
     "steps": 5,
     "guidance_scale": 5.5,
     "seed": 2,
+    "precision": "fast",
 }
 
 
@@ -60,6 +61,34 @@ def test_the_key_hashes_the_whole_spec_under_a_version() -> None:
     assert SPEC.result_key() == hashlib.sha256(canonical.encode()).hexdigest()
 
 
+# SPEC's key and BODY's Idempotency-Key fingerprint as the code made them before `precision` existed (computed with
+# that commit's shared/spec.py and shared/schemas.py): jobs and keys stored then must keep matching.
+KEY_BEFORE_PRECISION = "525cfd814caf6b6ad250c3919f257e1cd2b4713e7d42a2ea11941f153f39cc1d"
+FINGERPRINT_BEFORE_PRECISION = "d15f42094e81fe3cf221df099b8a36254bed71b2ca0b31f1e46c8ab371421586"
+
+
+def test_a_job_that_names_no_precision_keeps_todays_stored_spec_and_key() -> None:
+    assert SPEC.precision is None
+    stored = SPEC.to_dict()
+    assert "precision" not in stored  # the stored spec is what it was before the field existed
+    without_field = {"spec": {k: v for k, v in stored.items() if k != "precision"}, "v": RESULT_KEY_VERSION}
+    canonical = json.dumps(without_field, sort_keys=True, separators=(",", ":"))
+    assert SPEC.result_key() == hashlib.sha256(canonical.encode()).hexdigest() == KEY_BEFORE_PRECISION
+    # A spec stored before the field existed reads back as naming none, with the same key.
+    legacy = GenerationSpec.from_dict(stored)
+    assert legacy.precision is None and legacy == SPEC and legacy.result_key() == KEY_BEFORE_PRECISION
+    assert JobCreate(**BODY, precision=None).to_spec(SETTINGS).result_key() == KEY_BEFORE_PRECISION
+
+
+def test_a_named_precision_is_stored_and_keyed() -> None:
+    exact, fast = (JobCreate(**BODY, precision=p).to_spec(SETTINGS) for p in ("exact", "fast"))
+    assert (exact.to_dict()["precision"], fast.to_dict()["precision"]) == ("exact", "fast")
+    # exact and fast are different videos, and naming one is not the same request as leaving it to the worker.
+    assert len({SPEC.result_key(), exact.result_key(), fast.result_key()}) == 3
+    for spec in (exact, fast):
+        assert GenerationSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec  # jobs.spec round trip
+
+
 def test_what_is_not_a_render_parameter_is_not_in_the_key() -> None:
     key = SPEC.result_key()
     for extra in ({"cache": False}, {"cache": True}, {"webhook_url": "https://example.com/h"}, {"metadata": {"a": 1}}):
@@ -76,9 +105,17 @@ def test_a_request_without_a_seed_gets_its_own_key() -> None:
     assert len(keys) == 5
 
 
+def test_precision_is_part_of_the_idempotency_fingerprint_only_when_named() -> None:
+    assert JobCreate(**BODY).fingerprint() == FINGERPRINT_BEFORE_PRECISION  # keys stored before still match
+    assert JobCreate(**BODY, precision=None).fingerprint() == FINGERPRINT_BEFORE_PRECISION
+    named = {JobCreate(**BODY, precision=p).fingerprint() for p in ("exact", "fast")}
+    assert len(named) == 2 and FINGERPRINT_BEFORE_PRECISION not in named
+
+
 def test_cache_is_part_of_the_idempotency_fingerprint() -> None:
     default, on, off = JobCreate(**BODY), JobCreate(**BODY, cache=True), JobCreate(**BODY, cache=False)
     assert default.fingerprint() == on.fingerprint() != off.fingerprint()
-    # At its default the flag is left out: a key stored before the field existed still matches its retry.
-    before = default.model_dump(mode="json", exclude={"cache"})
+    # At its default the flag is left out (as is an unnamed precision): a key stored before the field existed still
+    # matches its retry.
+    before = default.model_dump(mode="json", exclude={"cache", "precision"})
     assert default.fingerprint() == hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()

@@ -70,3 +70,31 @@ def test_the_spec_rules_hold_for_stored_specs_too() -> None:
 
 def test_response_extends_the_spec() -> None:
     assert set(GenerationSpec.model_fields) <= set(JobOut.model_fields)
+
+
+@pytest.mark.parametrize("precision", ["exact", "fast", None])
+def test_a_requested_precision_goes_into_the_spec_as_asked(precision: str | None) -> None:
+    body = JobCreate.model_validate({"prompt": "x", "precision": precision})
+    assert body.precision == precision and body.to_spec(SETTINGS).precision == precision
+    assert JobCreate(prompt="x").to_spec(SETTINGS).precision is None  # left out: the worker's default
+
+
+@pytest.mark.parametrize("precision", ["turbo", "FAST", " fast", "", "int8", 8, True, ["fast"]])
+def test_an_unknown_precision_is_refused_at_parse_naming_the_field(precision: object) -> None:
+    with pytest.raises(ValidationError) as caught:
+        JobCreate.model_validate({"prompt": "x", "precision": precision})
+    (error,) = caught.value.errors()
+    assert error["loc"] == ("precision",)
+    assert "precision must be 'exact' or 'fast'" in error["msg"]
+
+
+def test_a_stored_spec_without_precision_reads_back_as_naming_none() -> None:
+    stored = JobCreate(prompt="x", seed=5).to_spec(SETTINGS).to_dict()
+    assert "precision" not in stored  # what every job stored before the field existed looks like
+    spec = GenerationSpec.from_dict(stored)
+    assert spec.precision is None and spec.seed == 5
+    assert GenerationSpec.from_dict({**stored, "precision": "fast"}).precision == "fast"
+    with pytest.raises(ValidationError):
+        GenerationSpec.from_dict({**stored, "precision": "turbo"})
+    with pytest.raises(KeyError):  # a required field is still required
+        GenerationSpec.from_dict({k: v for k, v in stored.items() if k != "seed"})

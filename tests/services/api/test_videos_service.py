@@ -38,6 +38,13 @@ def test_form_fields_arrive_as_strings_and_become_typed_parameters() -> None:
     assert body.cache is False and body.metadata == {"order": "42"} and body.duration_s == 1.5
 
 
+@pytest.mark.parametrize("precision", ["exact", "fast"])
+def test_precision_passes_through_into_the_spec(precision: str) -> None:
+    body = job_request({"prompt": "p", "size": "64x64", "precision": precision})
+    assert body.precision == precision and body.to_spec(SETTINGS).precision == precision
+    assert job_request({"prompt": "p"}).to_spec(SETTINGS).precision is None  # not sent: the worker's default
+
+
 @pytest.mark.parametrize(
     ("params", "param"),
     [
@@ -54,6 +61,8 @@ def test_form_fields_arrive_as_strings_and_become_typed_parameters() -> None:
         ({"duration_s": 1}, "duration_s"),  # vidq's name for seconds: not a parameter of this API
         ({"input_reference": None}, "input_reference"),
         ({"prompt": ""}, "prompt"),
+        ({"precision": "turbo"}, "precision"),
+        ({"precision": "Fast"}, "precision"),
     ],
 )
 def test_refusals_name_the_openai_parameter(params: dict[str, Any], param: str) -> None:

@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import Field, PostgresDsn, RedisDsn, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from shared.spec import Precision
+from shared.spec import Precision, parse_shape
 
 MonitoredTier = Literal["overall", "l1", "l2", "l3"]
 PLACEHOLDER_SECRETS = {"", "change-me", "dev", "minioadmin", "secret"}
@@ -152,6 +152,15 @@ class Settings(BaseSettings):
     # The precision tier a worker renders a job in when the job names none (a job's own `precision` wins): exact
     # (bf16 with kernels that keep the math) or fast (8-bit; until that path is built, fast renders as exact).
     worker_precision: Precision = "exact"
+    # Compile the transformer's blocks (torch.compile): auto = on CUDA only (on the CPU a compile costs minutes and
+    # gains little); on; off. Compiled kernels persist in worker_compile_cache_dir, so a restarted worker on the same
+    # machine loads them instead of compiling again.
+    worker_compile: Literal["auto", "on", "off"] = "auto"
+    worker_compile_cache_dir: str = "~/.cache/vidq/compile"
+    # Shapes (HEIGHTxWIDTHxFRAMES, e.g. ["480x832x33","480x832x81"]) every preloaded model renders once at start, with
+    # classifier-free guidance, before the worker reports ready: their kernels are compiled (or loaded from the cache)
+    # then, so the first job of such a shape pays no compile. A job of another shape compiles first (logged).
+    worker_warmup_shapes: list[str] = Field(default_factory=list)
     # resident: every weight stays on the GPU. low_vram: the transformer and text encoder stay in CPU RAM and are
     # streamed to the GPU block by block (diffusers group offloading on a side stream), the VAE decodes in tiles. A
     # resident worker that runs out of GPU memory retries the job once in low_vram and keeps that model there.
@@ -240,6 +249,13 @@ class Settings(BaseSettings):
     # --- operators ----------------------------------------------------------------------------------------------
     # Bearer token of the operator endpoints (/v1/admin/…: cache statistics). Empty: those endpoints answer 404.
     admin_token: str = ""
+
+    @field_validator("worker_warmup_shapes")
+    @classmethod
+    def _shapes(cls, shapes: list[str]) -> list[str]:
+        for shape in shapes:
+            parse_shape(shape)  # a typo fails at start, not after minutes of model loading
+        return shapes
 
     @field_validator("device", "model_dir", "s3_public_secure", "prewarmer_device", "prewarmer_dtype", mode="before")
     @classmethod

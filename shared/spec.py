@@ -62,6 +62,18 @@ PRECISION_DESCRIPTION = (
 RESULT_KEY_VERSION = 1
 
 
+def parse_shape(text: str) -> tuple[int, int, int]:
+    """``"480x832x33"`` (HEIGHTxWIDTHxFRAMES, as warm-up settings name shapes) → (height, width, frames), checked by
+    the same rules as a job's."""
+    parts = text.strip().lower().split("x")
+    if len(parts) != 3 or not all(part.isdigit() for part in parts):
+        raise ValueError(f"a shape is HEIGHTxWIDTHxFRAMES, e.g. 480x832x33; got {text!r}")
+    height, width, frames = (int(part) for part in parts)
+    if min(height, width) < 16 or frames < 1:
+        raise ValueError(f"shape {text!r}: height and width are at least 16, frames at least 1")
+    return _multiple_of_16(height), _multiple_of_16(width), _four_k_plus_one(frames)
+
+
 def frames_for(duration_s: float, fps: int) -> int:
     """Frames for a clip: the smallest 4k+1 that covers ``duration_s`` at ``fps`` (Wan's VAE needs 4k+1)."""
     wanted = max(1, math.ceil(duration_s * fps))

@@ -91,6 +91,7 @@ def stack_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, st
         "VIDQ_WEBHOOK_TIMEOUT_S": "3",
         # Renders hold after each step while this file exists (the `hold` fixture of tests/integration).
         "VIDQ_WORKER_FAULT_HOLD_FILE": str(base / "hold"),
+        "VIDQ_WORKER_COMPILE_CACHE_DIR": str(base / "compile"),
     }
     os.environ.update(env)
     from shared.config import get_settings

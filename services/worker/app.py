@@ -82,13 +82,24 @@ _models_failed = threading.Event()
 def _load_models() -> None:
     from services.worker.metrics import start_pool_heartbeat
     from shared.render.registry import pipeline_for
+    from shared.render.tiers import resolve_tier
+    from shared.render.warmup import save_compile_cache, use_compile_cache, warm_up
 
     try:
         if settings.worker_model_load_delay_s:  # test knob: a slow (or never-ending) model load
             time.sleep(settings.worker_model_load_delay_s)
+        use_compile_cache(settings.worker_compile_cache_dir)
+        tier, _ = resolve_tier(None, settings.worker_precision)
         for model in settings.worker_preload_models:
-            pipeline_for(model, settings)
-            log.info("pipeline loaded", extra={"model": model, "text_encoder": settings.worker_text_encoder})
+            pipeline = pipeline_for(model, settings, tier=tier)
+            # Ready only once the warm-up shapes have rendered: the first job of such a shape pays no compile.
+            warmed = warm_up(pipeline, settings.worker_warmup_shapes)
+            log.info(
+                "pipeline loaded",
+                extra={"model": model, "text_encoder": settings.worker_text_encoder, "warmed_up_s": warmed},
+            )
+        if settings.worker_warmup_shapes and settings.worker_preload_models:
+            save_compile_cache(settings.worker_compile_cache_dir)
     except Exception:
         log.exception("pipeline load failed")
         _models_failed.set()

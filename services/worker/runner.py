@@ -312,13 +312,15 @@ def _render_and_store(
 
     from shared.render.pipeline import RenderOutOfMemory
     from shared.render.registry import fall_back_to_low_vram, pipeline_for
+    from shared.render.tiers import resolve_tier
     from shared.render.video import encode_mp4, write_poster
 
     # 2. Render (the pipeline is loaded once per process and kept warm); the prompt embeddings come from the
     #    embedding cache (services/worker/embeddings.py); on_step reports progress and stops the denoising loop at
     #    the next step when the job is cancelled.
     settings = celery.settings
-    pipeline = pipeline_for(spec.model, settings)
+    tier, tier_note = resolve_tier(spec.precision, settings.worker_precision)
+    pipeline = pipeline_for(spec.model, settings, tier=tier)
     try:
         result = _generate(pipeline, spec, celery=celery, lease=lease)
     except torch.OutOfMemoryError as exc:
@@ -326,7 +328,7 @@ def _render_and_store(
         if pipeline.memory_mode == "low_vram":
             raise RenderOutOfMemory(f"CUDA out of memory in low_vram mode: {exc}"[:500]) from exc
         log.warning("CUDA out of memory; retrying once in low_vram", extra={"job_id": str(job_id), "model": spec.model})
-        pipeline = fall_back_to_low_vram(spec.model, settings)
+        pipeline = fall_back_to_low_vram(spec.model, settings, tier=tier)
         try:
             result = _generate(pipeline, spec, celery=celery, lease=lease)
         except torch.OutOfMemoryError as again:
@@ -358,6 +360,8 @@ def _render_and_store(
         "device": result.device,
         "dtype": result.dtype,
         "memory_mode": pipeline.memory_mode,
+        # The tier that rendered it, its levers and module table, the attention kernel; why, if not the one asked.
+        "precision": result.precision.with_request(spec.precision, tier_note).to_dict(),
     }
     if result.peak_vram_bytes is not None:
         record["peak_vram_bytes"] = result.peak_vram_bytes

@@ -2,12 +2,15 @@
 
 ``VideoPipeline`` wraps a Wan-family diffusers pipeline (``WanPipeline`` or one with its interface:
 ``encode_prompt``, a ``vae`` with ``latents_mean``/``latents_std``, a ``video_processor``) and runs it in
-separate, timed stages, so a worker can report real step progress, stop a cancelled job between steps and,
-later, reuse cached prompt embeddings.
+separate, timed stages, so a worker can report real step progress, stop a cancelled job between steps and
+reuse cached prompt embeddings. It renders under a precision tier's policy (shared/render/tiers.py): built with
+``eager_policy()`` it is a plain diffusers call, bit for bit; under ``exact`` its transformer blocks are compiled,
+q/k/v fused and both guidance passes batched.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from collections.abc import Callable
@@ -19,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline  # the root re-exports a placeholder to mypy
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from shared.render.precision import dtype_name
 from shared.render.text import (
@@ -29,7 +33,12 @@ from shared.render.text import (
     pipeline_text_encoder,
     texts_of,
 )
+from shared.render.tiers import RenderedPrecision, TierPolicy, applied_table, eager_policy
 from shared.spec import GenerationSpec
+
+log = logging.getLogger("vidq.render")
+
+RECOMPILE_LIMIT = 64  # compiled shapes (tokens × batch) per process before torch falls back to eager
 
 StepCallback = Callable[[int, int], None]
 # Texts to their real-token embedding rows (shared/render/text.py): the worker passes the embedding cache's lookup.
@@ -54,6 +63,8 @@ class RenderResult:
     peak_vram_bytes: int | None  # None off CUDA
     device: str
     dtype: str
+    precision: RenderedPrecision  # the tier and levers that rendered it, and the attention kernel
+    latents: torch.Tensor | None = None  # the denoised latents, when asked for (drift measurements)
 
 
 class VideoPipeline:
@@ -68,6 +79,7 @@ class VideoPipeline:
         dtype: torch.dtype,
         identity: EncoderIdentity | None = None,
         memory_mode: str = "resident",
+        policy: TierPolicy | None = None,
     ) -> None:
         for attribute in ("encode_prompt", "vae", "video_processor"):
             if not hasattr(pipe, attribute):
@@ -82,6 +94,29 @@ class VideoPipeline:
         # What its prompt embeddings are cached under; from the model's configuration unless given.
         self.identity = identity or encoder_identity(model, dtype=dtype)
         self.encoder = pipeline_text_encoder(pipe, self.identity)  # None: built without one (remote text encoding)
+        self.policy = policy or eager_policy()
+        self._apply_policy()
+        # (tokens per sample, batch) the transformer has run: compiled blocks compile for another one first (logged).
+        self.rendered_shapes: set[tuple[int, int]] = set()
+        self.attention = "unknown"  # the SDPA backend of the last render's self-attention
+        self._attention_by_shape: dict[tuple[int, int], str] = {}
+
+    def _apply_policy(self) -> None:
+        """Put the policy's levers on the pipeline's own modules (once; a pipeline is built for one policy)."""
+        policy, transformer = self.policy, getattr(self.pipe, "transformer", None)
+        if policy.fused_qkv and transformer is not None:
+            for module in transformer.modules():
+                if hasattr(module, "fuse_projections"):
+                    module.fuse_projections()
+        if policy.compile_blocks and transformer is not None:
+            # Static shapes: each (tokens, batch) gets its own kernels, compiled once and kept in the compile cache.
+            # torch stops compiling a function after a few shapes (and silently runs it eagerly from then on); a
+            # worker serves as many shapes as its jobs ask for.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+            transformer.compile_repeated_blocks(fullgraph=True, dynamic=False, mode=policy.compile_mode)
+        vae_dtype = getattr(torch, policy.vae_dtype)
+        if self.pipe.vae.dtype != vae_dtype:
+            self.pipe.vae.to(vae_dtype)
 
     def encode_texts(self, texts: list[str]) -> list[torch.Tensor]:
         """Encode with the pipeline's own text encoder, one text at a time as ``encode_prompt`` does."""
@@ -96,20 +131,23 @@ class VideoPipeline:
         on_step: StepCallback | None = None,
         text_rows: TextRows | None = None,
         stage_scope: StageScope | None = None,
+        keep_latents: bool = False,
     ) -> RenderResult:
         """Render ``spec`` to uint8 RGB frames.
 
         ``text_rows`` gives the prompt's (and negative prompt's) embedding rows; by default the pipeline's own
         encoder computes them. ``stage_scope(name)`` wraps each stage ("embeddings", "denoise", "decode").
-        ``on_step(done, total)`` runs after every denoising step. Whatever it raises (a cancelled job's
-        ``JobCancelled``) stops the render at once and propagates unchanged; its intermediate tensors are released
-        before the exception leaves. A ``ValueError`` from the model becomes ``PermanentRenderError``.
+        ``keep_latents`` returns the denoised latents too. ``on_step(done, total)`` runs after every denoising
+        step. Whatever it raises (a cancelled job's ``JobCancelled``) stops the render at once and propagates
+        unchanged; its intermediate tensors are released before the exception leaves. A ``ValueError`` from the
+        model becomes ``PermanentRenderError``.
         """
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         from_on_step: list[BaseException] = []  # tells on_step's own errors apart from the model's
         timings: dict[str, float] = {}
+        kept: list[torch.Tensor] = []
         try:
             frames = self._render(
                 spec,
@@ -118,6 +156,7 @@ class VideoPipeline:
                 from_on_step=from_on_step,
                 timings=timings,
                 scope=stage_scope or _no_scope,
+                kept=kept if keep_latents else None,
             )
         except BaseException as exc:
             # The traceback pins every frame it passed through, and with them the latents, embeddings and
@@ -137,6 +176,20 @@ class VideoPipeline:
             peak_vram_bytes=torch.cuda.max_memory_allocated(self.device) if cuda else None,
             device=str(self.device),
             dtype=dtype_name(self.dtype),
+            precision=self.rendered_precision(),
+            latents=kept[0] if kept else None,
+        )
+
+    def rendered_precision(self) -> RenderedPrecision:
+        """What a result says about this pipeline's numbers (the job's request is added by the caller)."""
+        compute, vae = dtype_name(self.dtype), self.policy.vae_dtype
+        return RenderedPrecision(
+            requested=None,
+            tier=self.policy.name,
+            policy=self.policy.describe(),
+            compute_dtype=compute,
+            attention=self.attention,
+            modules=applied_table(self.policy.name, compute=compute, vae=vae),
         )
 
     def _render(
@@ -148,8 +201,10 @@ class VideoPipeline:
         from_on_step: list[BaseException],
         timings: dict[str, float],
         scope: StageScope,
+        kept: list[torch.Tensor] | None = None,
     ) -> np.ndarray:
-        with torch.inference_mode():
+        backends = [getattr(SDPBackend, name) for name in self.policy.attention]
+        with torch.inference_mode(), sdpa_kernel(backends, set_priority=True):
             started = stage = self._clock()
 
             # 1. Encode the prompt (and the negative prompt when classifier-free guidance is on).
@@ -161,6 +216,8 @@ class VideoPipeline:
             with scope("denoise"):
                 latents = self._denoise(spec, prompt_embeds, negative_embeds, on_step, from_on_step)
                 timings["denoise"], stage = self._lap(stage)
+                if kept is not None:
+                    kept.append(latents)
 
             # 3. Decode the latents to pixels with the VAE.
             with scope("decode"):
@@ -179,6 +236,99 @@ class VideoPipeline:
         return embeds[:1], (embeds[1:2] if len(texts) == 2 else None)
 
     def _denoise(
+        self,
+        spec: GenerationSpec,
+        prompt_embeds: torch.Tensor,
+        negative_embeds: torch.Tensor | None,
+        on_step: StepCallback | None,
+        from_on_step: list[BaseException],
+    ) -> torch.Tensor:
+        self._note_shape(spec, guided=negative_embeds is not None)
+        if self.policy.cfg_batch and _plain_wan_loop(self.pipe):
+            return self._denoise_batched(spec, prompt_embeds, negative_embeds, on_step, from_on_step)
+        return self._denoise_plain(spec, prompt_embeds, negative_embeds, on_step, from_on_step)
+
+    def _note_shape(self, spec: GenerationSpec, *, guided: bool) -> None:
+        """Record the self-attention's kernel for this shape; log a compile for a shape the blocks have not run."""
+        config = self.pipe.transformer.config
+        p_t, p_h, p_w = config.patch_size
+        frames = (spec.num_frames - 1) // self.pipe.vae_scale_factor_temporal + 1
+        scale = self.pipe.vae_scale_factor_spatial
+        tokens = frames // p_t * (spec.height // scale // p_h) * (spec.width // scale // p_w)
+        batch = 2 if guided and self.policy.cfg_batch else 1
+        if (tokens, batch) not in self._attention_by_shape:
+            # Asked of SDPA's own dispatcher, with tensors laid out as the attention processor passes them.
+            heads, head_dim = config.num_attention_heads, config.attention_head_dim
+            probe = torch.empty((batch, tokens, heads, head_dim), device=self.device, dtype=self.dtype)
+            probe = probe.transpose(1, 2)
+            self._attention_by_shape[tokens, batch] = SDPBackend(torch._fused_sdp_choice(probe, probe, probe)).name
+            del probe
+        self.attention = self._attention_by_shape[tokens, batch]
+        if (tokens, batch) not in self.rendered_shapes:
+            if self.policy.compile_blocks:
+                shape = f"{spec.height}x{spec.width}x{spec.num_frames}"
+                log.info(
+                    "compiling the transformer blocks for a shape not warmed up",
+                    extra={"model": self.model, "shape": shape, "batch": batch},
+                )
+            self.rendered_shapes.add((tokens, batch))
+
+    def _denoise_batched(
+        self,
+        spec: GenerationSpec,
+        prompt_embeds: torch.Tensor,
+        negative_embeds: torch.Tensor | None,
+        on_step: StepCallback | None,
+        from_on_step: list[BaseException],
+    ) -> torch.Tensor:
+        """WanPipeline's denoising loop with classifier-free guidance's two passes as one batch of two: the same
+        latents, timesteps, scheduler and guidance formula; each sample's math is unchanged, the transformer runs
+        once per step on twice the rows (fuller GEMMs, half the launches)."""
+        pipe = self.pipe
+        transformer = pipe.transformer
+        guided = negative_embeds is not None and spec.guidance_scale > 1.0
+        text = torch.cat([negative_embeds, prompt_embeds]) if guided and negative_embeds is not None else prompt_embeds
+        text = text.to(transformer.dtype)
+        pipe.scheduler.set_timesteps(spec.steps, device=self.device)
+        timesteps = pipe.scheduler.timesteps
+        # Drawn exactly as WanPipeline draws them: a seed gives the same noise as a plain diffusers call.
+        generator = torch.Generator(device=self.device).manual_seed(spec.seed)
+        latents = pipe.prepare_latents(
+            1,
+            transformer.config.in_channels,
+            spec.height,
+            spec.width,
+            spec.num_frames,
+            torch.float32,
+            self.device,
+            generator,
+            None,
+        )
+        pipe.scheduler.set_begin_index(0)
+        for index, t in enumerate(timesteps):
+            model_input = latents.to(transformer.dtype)
+            if guided:
+                model_input = torch.cat([model_input, model_input])
+            noise = transformer(
+                hidden_states=model_input,
+                timestep=t.expand(model_input.shape[0]),
+                encoder_hidden_states=text,
+                return_dict=False,
+            )[0]
+            if guided:
+                uncond, cond = noise.chunk(2)
+                noise = uncond + spec.guidance_scale * (cond - uncond)
+            latents = pipe.scheduler.step(noise, t, latents, return_dict=False)[0]
+            if on_step is not None:
+                try:
+                    on_step(index + 1, len(timesteps))
+                except BaseException as exc:
+                    from_on_step.append(exc)
+                    raise
+        denoised: torch.Tensor = latents
+        return denoised
+
+    def _denoise_plain(
         self,
         spec: GenerationSpec,
         prompt_embeds: torch.Tensor,
@@ -217,16 +367,21 @@ class VideoPipeline:
 
     def _decode(self, latents: torch.Tensor) -> torch.Tensor:
         vae = self.pipe.vae
-        latents = latents.to(device=vae.device, dtype=vae.dtype)
-        # Undo the per-channel normalisation the transformer works in, exactly as WanPipeline does.
+        latents = latents.to(device=vae.device, dtype=torch.float32)
+        # Undo the per-channel normalisation the transformer works in, exactly as WanPipeline does, in float32
+        # whatever the VAE computes in.
         shape = (1, vae.config.z_dim, 1, 1, 1)
         # Kept as WanPipeline writes it (divide by 1/std) so the frames match a plain call bit for bit.
         mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
         inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.device, latents.dtype)
-        video = vae.decode(latents / inv_std + mean, return_dict=False)[0]
+        # cuDNN's autotuner picks among algorithms that compute the same convolution; the first decode of a shape
+        # times them (a warm-up pays it), later ones reuse the choice.
+        with torch.backends.cudnn.flags(enabled=True, benchmark=self.policy.conv_autotune):
+            video = vae.decode((latents / inv_std + mean).to(vae.dtype), return_dict=False)[0]
         # "pt" keeps the frames on the device: the uint8 conversion then runs there, and only a quarter of the
-        # bytes (uint8, not float32) cross to the host.
-        frames: torch.Tensor = self.pipe.video_processor.postprocess_video(video, output_type="pt")
+        # bytes (uint8, not float32) cross to the host. In float32: a bf16 VAE's output times 255 would round to
+        # bf16's 8 significant bits before the uint8 rounding.
+        frames: torch.Tensor = self.pipe.video_processor.postprocess_video(video.float(), output_type="pt")
         return frames
 
     def _clock(self) -> float:
@@ -237,6 +392,17 @@ class VideoPipeline:
     def _lap(self, since: float) -> tuple[float, float]:
         now = self._clock()
         return now - since, now
+
+
+def _plain_wan_loop(pipe: Any) -> bool:
+    """Whether ``pipe`` denoises as Wan 2.1 does (one transformer, one timestep per sample): the batched loop
+    covers that; a Wan 2.2 two-expert or per-token-timestep pipeline keeps diffusers' own loop."""
+    config = getattr(pipe, "config", {})
+    return (
+        getattr(pipe, "transformer_2", None) is None
+        and config.get("boundary_ratio") is None
+        and not config.get("expand_timesteps", False)
+    )
 
 
 def _no_scope(_stage: str) -> AbstractContextManager[None]:

@@ -9,8 +9,9 @@ Three kinds of model name (docs: DESIGN.md section 4, "Models without the intern
 * anything else: a local diffusers folder or a hub id, loaded with ``from_pretrained`` (offline-safe for a
   folder); ``local`` is the folder in ``settings.model_dir``.
 
-Pipelines are expensive to build, so ``get_pipeline`` keeps one per ``PipelineKey`` (model, precision, device)
-per process, built on first use. Settings reach this module as arguments, from the process's entry point.
+Pipelines are expensive to build, so ``get_pipeline`` keeps one per ``PipelineKey`` (model, compute dtype, device,
+precision tier, …) per process, built on first use. Settings reach this module as arguments, from the process's
+entry point.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from shared.render.pipeline import VideoPipeline
 from shared.render.pool import PipelinePool, PoolPolicy
 from shared.render.precision import dtype_from_name, dtype_name, resolve_device
 from shared.render.text import LOCAL, encoder_identity
+from shared.render.tiers import policy_for
+from shared.spec import Precision
 
 MEMORY_MODES = ("resident", "low_vram")
 
@@ -51,6 +54,9 @@ class RenderSettings(Protocol):
     @property
     def worker_memory_mode(self) -> str: ...  # "resident" or "low_vram"
 
+    @property
+    def worker_compile(self) -> str: ...  # "auto" (CUDA only), "on" or "off"
+
 
 @dataclass(frozen=True, slots=True)
 class PipelineKey:
@@ -61,6 +67,8 @@ class PipelineKey:
     device: str  # as torch prints it: "cpu", "cuda", "cuda:1"
     text_encoder: bool = True  # False: built without it (embeddings come from the cache or the prewarmer)
     memory_mode: str = "resident"  # or "low_vram": weights in CPU RAM, streamed to the GPU block by block
+    tier: Precision = "exact"  # the precision tier it renders (shared/render/tiers.py)
+    compile: bool = False  # its transformer blocks compiled
 
     def __post_init__(self) -> None:
         dtype_from_name(self.precision)  # a typo fails here, not minutes later in a build
@@ -100,16 +108,28 @@ class WholeModuleOffload:
 
 
 def pipeline_key(
-    model: str, *, device_pref: str | None, cuda_dtype: str, text_encoder: bool = True, memory_mode: str = "resident"
+    model: str,
+    *,
+    device_pref: str | None,
+    cuda_dtype: str,
+    text_encoder: bool = True,
+    memory_mode: str = "resident",
+    tier: Precision = "exact",
+    compile_mode: str = "off",
 ) -> PipelineKey:
-    """The key ``model`` runs under on this machine: ``settings.device`` and ``settings.cuda_dtype`` resolved."""
+    """The key ``model`` runs under on this machine: ``settings.device`` and ``settings.cuda_dtype`` resolved;
+    ``compile_mode`` is ``settings.worker_compile`` ("auto": on CUDA only). A ``low_vram`` pipeline is not compiled:
+    its blocks move between devices as they run."""
     device, dtype = resolve_device(device_pref, cuda_dtype=cuda_dtype)
+    compiled = compile_mode == "on" or (compile_mode == "auto" and device.type == "cuda")
     return PipelineKey(
         model=model,
         precision=dtype_name(dtype),
         device=str(device),
         text_encoder=text_encoder,
         memory_mode=memory_mode,
+        tier=tier,
+        compile=compiled and memory_mode == "resident",
     )
 
 
@@ -188,8 +208,17 @@ def get_pipeline(key: PipelineKey, *, model_dir: str | None = None) -> VideoPipe
         pipe = build_pipeline(key.model, device=device, dtype=dtype, model_dir=folder, text_encoder=key.text_encoder)
         apply_memory_mode(pipe, key.memory_mode, device=device)
         identity = encoder_identity(key.model, dtype=dtype, model_dir=folder)
+        policy = policy_for(
+            key.tier, device=device, compile_mode="on" if key.compile else "off", memory_mode=key.memory_mode
+        )
         return VideoPipeline(
-            pipe, model=key.model, device=device, dtype=dtype, identity=identity, memory_mode=key.memory_mode
+            pipe,
+            model=key.model,
+            device=device,
+            dtype=dtype,
+            identity=identity,
+            memory_mode=key.memory_mode,
+            policy=policy,
         )
 
     return _pool.get(key, build)
@@ -200,9 +229,12 @@ def pool_state() -> list[tuple[PipelineKey, str, int]]:
     return _pool.state()
 
 
-def pipeline_for(model: str, settings: RenderSettings, *, memory_mode: str | None = None) -> VideoPipeline:
-    """The process-wide pipeline for ``model`` under ``settings`` (device, CUDA dtype, model folder, memory mode);
-    ``memory_mode`` overrides the worker's (a retry after running out of memory)."""
+def pipeline_for(
+    model: str, settings: RenderSettings, *, memory_mode: str | None = None, tier: Precision = "exact"
+) -> VideoPipeline:
+    """The process-wide pipeline for ``model`` under ``settings`` (device, CUDA dtype, model folder, memory mode,
+    compile) in precision tier ``tier``; ``memory_mode`` overrides the worker's (a retry after running out of
+    memory)."""
     mode = memory_mode or _downgraded.get(model) or settings.worker_memory_mode
     _pool.policy = PoolPolicy.from_settings(settings)
     key = pipeline_key(
@@ -211,6 +243,8 @@ def pipeline_for(model: str, settings: RenderSettings, *, memory_mode: str | Non
         cuda_dtype=settings.cuda_dtype,
         text_encoder=settings.worker_text_encoder == "local",
         memory_mode=mode,
+        tier=tier,
+        compile_mode=settings.worker_compile,
     )
     return get_pipeline(key, model_dir=settings.model_dir)
 
@@ -218,12 +252,12 @@ def pipeline_for(model: str, settings: RenderSettings, *, memory_mode: str | Non
 _downgraded: dict[str, str] = {}  # model → the memory mode this process falls back to after running out
 
 
-def fall_back_to_low_vram(model: str, settings: RenderSettings) -> VideoPipeline:
+def fall_back_to_low_vram(model: str, settings: RenderSettings, *, tier: Precision = "exact") -> VideoPipeline:
     """After a CUDA out-of-memory: drop this process's pipelines of ``model`` (their VRAM goes back), and serve
     ``model`` in ``low_vram`` from now on. Returns that pipeline."""
     _pool.drop(k for k in _pool.kept() if k.model == model)
     _downgraded[model] = "low_vram"
-    return pipeline_for(model, settings, memory_mode="low_vram")
+    return pipeline_for(model, settings, memory_mode="low_vram", tier=tier)
 
 
 def clear_cache() -> None:

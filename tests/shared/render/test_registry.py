@@ -261,6 +261,7 @@ def test_pipeline_for_reads_only_the_settings_it_is_given(tmp_path: Path) -> Non
         model_dir = str(tmp_path / "not-a-pipeline")  # read for "local" only
         worker_text_encoder = "local"
         worker_memory_mode = "resident"
+        worker_compile = "auto"  # on CUDA only: this CPU pipeline is not compiled
 
     clear_pipeline_cache()
     try:
@@ -282,6 +283,7 @@ def test_memory_mode_is_part_of_the_key_and_an_out_of_memory_fallback_sticks_to_
         model_dir = None
         worker_text_encoder = "local"
         worker_memory_mode = "resident"
+        worker_compile = "auto"  # on CUDA only: this CPU pipeline is not compiled
 
     clear_pipeline_cache()
     try:

@@ -1,0 +1,132 @@
+"""Precision tiers on the CPU: the policy's levers, its module table against the weights a build really holds, the
+attention backend's fall-back, the batched guidance loop against diffusers' own, warm-up and the compile cache's
+archive. (The GPU figures are the benchmark's: benchmarks/gpu_exact.py.)"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.nn.attention import SDPBackend
+
+from shared.config import Settings
+from shared.render.pipeline import RenderResult, VideoPipeline
+from shared.render.registry import TINY_WAN, build_pipeline
+from shared.render.tiers import MODULE_TABLE, eager_policy, policy_for, resolve_tier, tensor_format
+from shared.render.warmup import warm_up
+from shared.spec import parse_shape
+from tests.shared.render.test_registry import make_spec
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def reference() -> RenderResult:
+    """diffusers' own loop, every lever off."""
+    pipe = build_pipeline(TINY_WAN, device=CPU, dtype=torch.float32)
+    return VideoPipeline(pipe, model=TINY_WAN, device=CPU, dtype=torch.float32).generate(make_spec())
+
+
+def exact_on_cpu(**levers: object) -> VideoPipeline:
+    pipe = build_pipeline(TINY_WAN, device=CPU, dtype=torch.float32)
+    policy = replace(policy_for("exact", device=CPU), **levers)  # type: ignore[arg-type]
+    return VideoPipeline(pipe, model=TINY_WAN, device=CPU, dtype=torch.float32, policy=policy)
+
+
+def test_a_job_renders_in_the_tier_it_asks_for_or_the_workers_default() -> None:
+    assert resolve_tier(None, "exact") == ("exact", None)
+    assert resolve_tier("exact", "fast") == ("exact", None)
+    tier, note = resolve_tier("fast", "exact")
+    assert tier == "exact" and note is not None and "fast" in note  # not built yet: rendered as exact, and said
+    assert resolve_tier(None, "fast")[0] == "exact"
+    with pytest.raises(ValueError, match="unknown precision"):
+        resolve_tier("int4", "exact")  # type: ignore[arg-type]
+
+
+def test_the_levers_follow_the_device_the_compile_setting_and_the_memory_mode() -> None:
+    cuda = torch.device("cuda")  # a device object needs no GPU
+    on_gpu = policy_for("exact", device=cuda)
+    assert on_gpu.compile_blocks and on_gpu.fused_qkv and on_gpu.cfg_batch and on_gpu.vae_dtype == "bfloat16"
+    assert not policy_for("exact", device=cuda, compile_mode="off").compile_blocks
+    on_cpu = policy_for("exact", device=CPU)
+    assert not on_cpu.compile_blocks and on_cpu.vae_dtype == "float32"
+    assert policy_for("exact", device=CPU, compile_mode="on").compile_blocks
+    streamed = policy_for("exact", device=cuda, memory_mode="low_vram")
+    assert not (streamed.compile_blocks or streamed.fused_qkv or streamed.cfg_batch)
+    assert eager_policy() == replace(on_cpu, fused_qkv=False, cfg_batch=False)
+
+
+def test_the_table_names_the_format_every_weight_of_a_bf16_build_is_in() -> None:
+    pipe = build_pipeline(TINY_WAN, device=CPU, dtype=torch.bfloat16)
+    seen = {"float32": 0, "bfloat16": 0}
+    for component in ("transformer", "text_encoder", "vae"):
+        module: torch.nn.Module = getattr(pipe, component)
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            if not tensor.is_floating_point():
+                continue
+            wanted = tensor_format("exact", f"{component}.{name}", compute="bfloat16", vae="float32")
+            assert {"fp32": "float32"}.get(wanted, wanted) == str(tensor.dtype).removeprefix("torch."), name
+            seen[str(tensor.dtype).removeprefix("torch.")] += 1
+    assert seen["float32"] > 0 and seen["bfloat16"] > 0  # both kinds of row were checked against real weights
+    with pytest.raises(LookupError):
+        tensor_format("exact", "scheduler.sigmas", compute="bfloat16", vae="float32")
+    assert len(MODULE_TABLE["exact"]) == len(set(MODULE_TABLE["exact"]))
+
+
+def test_the_exact_levers_render_the_same_video_as_diffusers_own_loop(reference: RenderResult) -> None:
+    exact = exact_on_cpu()
+    assert exact.policy.fused_qkv and exact.policy.cfg_batch  # one GEMM for q/k/v, both guidance passes in one batch
+    result = exact.generate(make_spec())
+    # The same math; float32 GEMMs of another shape may round differently in the last bit, never visibly.
+    assert np.abs(result.frames.astype(np.int16) - reference.frames).max() <= 1
+    assert result.precision.tier == "exact" and result.precision.policy["cfg_batch"] is True
+    unguided = exact.generate(make_spec(guidance_scale=1.0))  # no negative prompt: a batch of one
+    assert unguided.frames.shape == reference.frames.shape
+
+
+def test_the_attention_backend_falls_back_to_the_next_one_that_can_run() -> None:
+    # cuDNN's kernel is first in the preference, and absent on a CPU: the next one that runs there is used.
+    default = exact_on_cpu().generate(make_spec())
+    q = torch.empty((1, 2, 16, 8))
+    assert default.precision.attention == SDPBackend(torch._fused_sdp_choice(q, q, q)).name != "CUDNN_ATTENTION"
+    math_only = exact_on_cpu(attention=("CUDNN_ATTENTION", "MATH")).generate(make_spec())
+    assert math_only.precision.attention == "MATH"
+    assert np.abs(math_only.frames.astype(np.int16) - default.frames).max() <= 1  # another kernel, the same math
+
+
+def test_warm_up_renders_each_shape_before_any_job_and_needs_no_text_encoder() -> None:
+    exact = exact_on_cpu()
+    exact.encoder = None  # an encoder-free worker warms up too: the warm-up brings its own text embeddings
+    seconds = warm_up(exact, ["64x64x9", "32x48x5"])
+    assert set(seconds) == {"64x64x9", "32x48x5"} and all(s > 0 for s in seconds.values())
+    # (tokens per sample, batch of two for guidance) of both shapes: a job of either starts on warmed kernels.
+    assert {batch for _tokens, batch in exact.rendered_shapes} == {2} and len(exact.rendered_shapes) == 2
+
+
+def test_warm_up_shapes_are_checked_when_the_settings_load() -> None:
+    assert parse_shape("480x832x33") == (480, 832, 33)
+    for bad in ("480x832", "480x830x33", "480x832x32", "axbxc"):
+        with pytest.raises(ValueError):
+            parse_shape(bad)
+    assert Settings(worker_warmup_shapes=["480x832x81"]).worker_warmup_shapes == ["480x832x81"]
+    with pytest.raises(ValueError, match="multiples of 16"):
+        Settings(worker_warmup_shapes=["481x832x81"])
+
+
+def test_the_compile_cache_archive_is_written_and_loaded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from shared.render import warmup
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "unchanged")  # restored after the test
+    root = warmup.use_compile_cache(str(tmp_path / "cache"))
+    assert root == tmp_path / "cache" and (tmp_path / "cache").is_dir()
+    assert Path(__import__("os").environ["TORCHINDUCTOR_CACHE_DIR"]) == root / "inductor"
+    compiled = torch.compile(lambda x: torch.sin(x) * 2 + 1, fullgraph=True, dynamic=False)
+    x = torch.randn(8)
+    assert torch.allclose(compiled(x), torch.sin(x) * 2 + 1)
+    warmup.save_compile_cache(str(root))
+    archives = list(root.glob("artifacts-*.bin"))
+    assert len(archives) == 1 and archives[0].stat().st_size > 0
+    warmup.use_compile_cache(str(root))  # a restarted worker loads it (an unreadable one is logged, not fatal)

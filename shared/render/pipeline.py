@@ -112,7 +112,9 @@ class VideoPipeline:
             # Static shapes: each (tokens, batch) gets its own kernels, compiled once and kept in the compile cache.
             # torch stops compiling a function after a few shapes (and silently runs it eagerly from then on); a
             # worker serves as many shapes as its jobs ask for.
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+            config = torch._dynamo.config
+            name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # its older name
+            setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
             transformer.compile_repeated_blocks(fullgraph=True, dynamic=False, mode=policy.compile_mode)
         vae_dtype = getattr(torch, policy.vae_dtype)
         if self.pipe.vae.dtype != vae_dtype:

@@ -69,6 +69,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--runs", type=int, default=3, help="timed runs per path and shape")
     parser.add_argument("--ablation-runs", type=int, default=2)
     parser.add_argument("--budget-s", type=float, default=480.0, help="no ablation step starts after this")
+    parser.add_argument(
+        "--phases",
+        default="headline,ablation",
+        help="comma-separated: headline (plain vs exact per shape), ablation (each lever's share at the first "
+        "shape), profile (the exact render's GPU time by kernel kind), vae (the VAE's decode by layout)",
+    )
+    parser.add_argument("--tag", default="", help="appended to the results' file names")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto", help="as VIDQ_WORKER_COMPILE")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
@@ -359,10 +366,7 @@ class Bench:
         spec = self.spec(shape)
         exact = self.exact.policy
         steps: list[tuple[str, Callable[[], VideoPipeline]]] = [
-            (
-                "exact + max-autotune (Triton GEMM templates with fused epilogues)",
-                lambda: self.copy_pipeline(replace(exact, compile_mode="max-autotune-no-cudagraphs")),
-            ),
+            ("exact, Triton kernels' launch parameters tuned (coordinate descent)", self.coordinate_descent),
             (
                 "compiled blocks, two passes, VAE float32",
                 lambda: self.copy_pipeline(
@@ -388,7 +392,12 @@ class Bench:
                 ),
             ),
         ]
-        plain_s = self.report["shapes"][shape]["plain_s"]["median"]
+        if "plain_s" in self.report["shapes"].get(shape, {}):
+            plain_s = self.report["shapes"][shape]["plain_s"]["median"]
+        else:
+            self.plain(spec)
+            plain_s = statistics.median(self.plain(spec)["total"] for _ in range(self.args.ablation_runs))
+            self.report["shapes"].setdefault(shape, {})["plain_s"] = {"median": plain_s}
         for name, make in steps:
             if self.clock.elapsed() > self.args.budget_s:
                 self.report["ablation"].append({"variant": name, "skipped": "over the time budget"})
@@ -418,6 +427,76 @@ class Bench:
                     torch.cuda.empty_cache()
             self.write()
 
+    def coordinate_descent(self) -> VideoPipeline:
+        """The exact tier with inductor tuning each generated kernel's block sizes (compile time for speed): its
+        own compile (its options make it a backend of its own, so nothing compiled before is reused)."""
+        pipeline = self.copy_pipeline(replace(self.exact.policy, compile_blocks=False))
+        pipeline.pipe.transformer.compile_repeated_blocks(
+            fullgraph=True, dynamic=False, options={"coordinate_descent_tuning": True}
+        )
+        return pipeline
+
+    def profile(self, shape: str) -> None:
+        """GPU time of one exact render (2 steps) by kernel kind, and its busiest kernels."""
+        from torch.profiler import ProfilerActivity, profile
+
+        spec = self.spec(shape).model_copy(update={"steps": 2})
+        warm_up(self.exact, [shape], guidance_scale=self.args.guidance)
+        self.vidq(self.exact, spec)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            result = self.vidq(self.exact, spec)
+        kinds: dict[str, float] = {}
+        kernels = []
+        for event in prof.key_averages():
+            device_us = float(getattr(event, "device_time_total", 0.0) or getattr(event, "cuda_time_total", 0.0))
+            if device_us <= 0 or getattr(event, "device_type", None) != torch.autograd.DeviceType.CUDA:
+                continue
+            kind = kernel_kind(event.key)
+            kinds[kind] = kinds.get(kind, 0.0) + device_us / 1e6
+            kernels.append({"kernel": event.key[:160], "kind": kind, "s": device_us / 1e6, "calls": event.count})
+        kernels.sort(key=lambda k: -k["s"])
+        self.report["profile"] = {
+            "shape": shape,
+            "steps": 2,
+            "wall_s": result.timings_s,
+            "by_kind_s": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+            "top": kernels[:25],
+        }
+
+    def vae_layouts(self, shape: str) -> None:
+        """The bf16 VAE's decode of the same latents with its convolutions' weights channels-last (cuDNN's native
+        layout for tensor cores) against the default layout: time and the frames' difference."""
+        spec = self.spec(shape)
+        latents = self.vidq(self.exact, spec).latents
+        assert latents is not None
+        vae = copy.deepcopy(self.exact.pipe.vae)
+        for module in vae.modules():
+            weight = getattr(module, "weight", None)
+            if isinstance(weight, torch.nn.Parameter) and weight.dim() in (4, 5):
+                layout = torch.channels_last_3d if weight.dim() == 5 else torch.channels_last
+                weight.data = weight.data.contiguous(memory_format=layout)
+        pipe = WanPipeline(
+            tokenizer=self.pipe.tokenizer,
+            text_encoder=None,
+            transformer=self.exact.pipe.transformer,
+            vae=vae,
+            scheduler=self.exact.pipe.scheduler,
+        )
+        policy = replace(self.exact.policy, compile_blocks=False)
+        channels_last = VideoPipeline(pipe, model=self.args.model, device=self.device, dtype=self.dtype, policy=policy)
+        with torch.inference_mode():
+            default_s = timed(lambda: self.exact._decode(latents), self.device, reps=3)
+            last_s = timed(lambda: channels_last._decode(latents), self.device, reps=3)
+            a, b = _to_uint8(self.exact._decode(latents)), _to_uint8(channels_last._decode(latents))
+        self.report["vae_layouts"] = {
+            "shape": shape,
+            "default_s": default_s,
+            "channels_last_s": last_s,
+            "psnr_db": psnr(a, b),
+            "max_abs": int(np.abs(a.astype(np.int16) - b).max()),
+        }
+
     def fail(self, phase: str, exc: BaseException) -> None:
         traceback.print_exc()
         self.report["errors"].append({"phase": phase, "error": f"{type(exc).__name__}: {exc}"[:2000]})
@@ -428,9 +507,24 @@ class Bench:
         out: Path = self.args.out
         out.mkdir(parents=True, exist_ok=True)
         gpu = re.sub(r"[^a-z0-9]+", "_", self.report["machine"]["gpu"].lower().replace("nvidia", "")).strip("_")
-        stem = f"gpu_exact_{gpu}_{dt.date.today():%Y%m%d}"
+        stem = f"gpu_exact_{gpu}_{dt.date.today():%Y%m%d}{self.args.tag}"
         (out / f"{stem}.json").write_text(json.dumps(self.report, indent=2, default=str) + "\n")
         (out / f"{stem}.md").write_text(markdown(self.report))
+
+
+def kernel_kind(name: str) -> str:
+    lowered = name.lower()
+    if any(s in lowered for s in ("fmha", "flash", "cudnn_attn", "attention", "sdpa", "cudnn::fusion")):
+        return "attention"
+    if any(s in lowered for s in ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_", "matmul")):
+        return "gemm"
+    if any(s in lowered for s in ("conv", "implicit", "winograd", "fft", "cudnn")):
+        return "convolution"
+    if lowered.startswith("triton_"):
+        return "fused elementwise (inductor)"
+    if any(s in lowered for s in ("elementwise", "vectorized", "reduce", "copy", "cat", "norm", "fill")):
+        return "aten elementwise"
+    return "other"
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -496,6 +590,29 @@ def markdown(report: dict[str, Any]) -> str:
                 )
             else:
                 lines.append(f"| {a['variant']} | {a.get('skipped', 'failed')} | | | |")
+    if "profile" in report:
+        p = report["profile"]
+        total = sum(p["by_kind_s"].values())
+        lines += [
+            "",
+            f"GPU time of one exact render at {p['shape']} ({p['steps']} steps, profiled): {total:.3f} s of kernels; "
+            f"wall {p['wall_s'].get('total', 0):.3f} s (denoise {p['wall_s'].get('denoise', 0):.3f} s).",
+            "",
+            "| kernel kind | s | share |",
+            "| --- | --- | --- |",
+            *(f"| {k} | {s:.3f} | {s / total:.1%} |" for k, s in p["by_kind_s"].items()),
+            "",
+            "| busiest kernels | kind | s | calls |",
+            "| --- | --- | --- | --- |",
+            *(f"| `{k['kernel'][:90]}` | {k['kind']} | {k['s']:.4f} | {k['calls']} |" for k in p["top"][:15]),
+        ]
+    if "vae_layouts" in report:
+        v = report["vae_layouts"]
+        lines += [
+            "",
+            f"VAE decode at {v['shape']} (bf16): default layout {v['default_s']:.3f} s, channels-last weights "
+            f"{v['channels_last_s']:.3f} s; frames PSNR between them {v['psnr_db']:.1f} dB (max abs {v['max_abs']}).",
+        ]
     for error in report["errors"]:
         lines.append(f"\nerror in {error['phase']}: {error['error'][:300]}")
     lines += [
@@ -515,15 +632,23 @@ def _num(value: float | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     bench = Bench(args)
+    phases = set(args.phases.split(","))
     bench.build()
     bench.write()
-    for shape in args.shapes:
+    for name, phase in (("profile", bench.profile), ("vae", bench.vae_layouts)):
+        if name in phases:
+            try:
+                phase(args.shapes[0])
+            except Exception as exc:
+                bench.fail(name, exc)
+            bench.write()
+    for shape in args.shapes if "headline" in phases else []:
         try:
             bench.headline(shape)
         except Exception as exc:
             bench.fail(f"headline {shape}", exc)
         bench.write()
-    if args.shapes[0] in bench.report["shapes"] and "plain_s" in bench.report["shapes"][args.shapes[0]]:
+    if "ablation" in phases:
         bench.ablation(args.shapes[0])
     bench.write()
     print(markdown(bench.report))

@@ -7,7 +7,8 @@ Two faults shape this file:
 
 - Celery kills a new pool process that has not reported ready within ``worker_proc_alive_timeout`` (4 s), so a
   model built inside ``worker_process_init`` that takes longer meant a crashed pool process was never replaced. The
-  models are built in a background thread instead, where no start-up timeout applies; the task waits for it
+  models are built (and warmed up) on the pool process's GPU thread instead (services/worker/gpu_thread.py: it also
+  renders every job), where no start-up timeout applies; the task waits for it
   (``wait_for_models``) before it claims its job, and the pool file (shared/liveness.py) tells the probe whether a
   pool process is loading, ready or stuck. Raising the timeout instead would tie it to a load time nobody knows.
 - A SIGTERM to the whole process group (systemd, ``vidq up``) used to kill the pool child mid-job. The pool child
@@ -126,7 +127,11 @@ def _init_child(**_: Any) -> None:
     dispose_engines()  # never share a parent's sockets across fork
     setup_tracing("vidq-worker", settings, celery=True)  # here: the pool process runs the tasks (nothing when off)
     mark_pool(pool_path(Path(settings.worker_liveness_file)), "loading")
-    threading.Thread(target=_load_models, name="vidq-model-load", daemon=True).start()
+    # On the thread that renders every job of this process (services/worker/gpu_thread.py): what the warm-up builds
+    # per thread in the CUDA libraries is then ready for the first job.
+    from services.worker.gpu_thread import gpu_thread
+
+    gpu_thread().submit(_load_models)
 
 
 @worker_process_shutdown.connect

@@ -8,6 +8,7 @@ import logging
 import os
 import socket
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -385,6 +386,7 @@ def _generate(pipeline: VideoPipeline, spec: GenerationSpec, *, celery: VidqCele
     import torch
 
     from services.worker.embeddings import text_rows
+    from services.worker.gpu_thread import RenderAbandoned, gpu_thread
 
     if not _oom_faults:
         _oom_faults.append(celery.settings.worker_fault_oom_renders)
@@ -400,12 +402,21 @@ def _generate(pipeline: VideoPipeline, spec: GenerationSpec, *, celery: VidqCele
         "vidq.memory_mode": pipeline.memory_mode,
     }
     hold = celery.settings.worker_fault_hold_file
-    return pipeline.generate(
-        spec,
-        on_step=partial(_held_step, lease, Path(hold)) if hold else lease.on_step,
-        text_rows=text_rows(celery, pipeline),
-        stage_scope=lambda stage: stage_span(stage, attributes),
-    )
+    on_step = partial(_held_step, lease, Path(hold)) if hold else lease.on_step
+    rows = text_rows(celery, pipeline)
+
+    def render(abandoned: threading.Event) -> RenderResult:
+        def step(done: int, total: int) -> None:
+            if abandoned.is_set():  # the task stopped waiting (soft time limit): end at this step
+                raise RenderAbandoned("the task stopped waiting for this render")
+            on_step(done, total)
+
+        return pipeline.generate(
+            spec, on_step=step, text_rows=rows, stage_scope=lambda stage: stage_span(stage, attributes)
+        )
+
+    # On the GPU thread that loaded and warmed up the model (services/worker/gpu_thread.py).
+    return gpu_thread().run(render)
 
 
 def _held_step(lease: Lease, hold: Path, step: int, total: int) -> None:

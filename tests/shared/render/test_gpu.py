@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 
 import numpy as np
 import pytest
@@ -76,7 +75,7 @@ def test_tiny_wan_in_bf16_renders_finite_frames(tiny_cuda: VideoPipeline) -> Non
 
 def test_cancel_releases_device_memory(tiny_cuda: VideoPipeline) -> None:
     # Large enough that what one step holds (latents, mask, noise predictions: about 1.3 MiB) shows.
-    spec = dataclasses.replace(SPEC, width=256, height=256, num_frames=17)
+    spec = SPEC.model_copy(update={"width": 256, "height": 256, "num_frames": 17})
     tiny_cuda.generate(spec)  # warm: kernels, workspaces and scheduler state allocated once
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()

@@ -113,12 +113,13 @@ LABEL org.opencontainers.image.title="vidq-worker" \
 
 RUN groupadd --system --gid 10001 vidq \
     && useradd --system --uid 10001 --gid vidq --home-dir /home/vidq --create-home --shell /usr/sbin/nologin vidq \
-    && mkdir -p /models && chown 10001:10001 /models
+    && mkdir -p /models /var/cache/vidq/compile && chown 10001:10001 /models /var/cache/vidq/compile
 
 COPY --from=builder-gpu /opt/venv /opt/venv
 COPY --from=builder-gpu /app /app
 
 # VIDQ_DEVICE=cuda: a GPU worker started without a GPU fails at once instead of rendering on the CPU for hours.
+# VIDQ_WORKER_COMPILE_CACHE_DIR: compiled kernels, a volume in compose (kept across restarts of the worker).
 # NVIDIA_DRIVER_CAPABILITIES: `utility` gives NVML (GPU memory/utilisation metrics) besides `compute`.
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
@@ -126,7 +127,8 @@ ENV PATH=/opt/venv/bin:$PATH \
     HF_HOME=/models/huggingface \
     HF_HUB_OFFLINE=1 \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility \
-    VIDQ_DEVICE=cuda
+    VIDQ_DEVICE=cuda \
+    VIDQ_WORKER_COMPILE_CACHE_DIR=/var/cache/vidq/compile
 
 WORKDIR /app
 USER 10001:10001

@@ -212,3 +212,16 @@ def test_on_real_gpus_each_worker_sees_exactly_its_own_gpu_and_runs_on_its_numa_
         gpu = next(g for g in gpus if g.uuid == r["visible"])
         if gpu.cpus:
             assert set(r["cpus"]) <= set(gpu.cpus)
+
+
+def test_the_supervisor_imports_no_torch() -> None:
+    """`vidq worker --gpus` forks and execs one worker per GPU: what it imports itself (the CLI, the supervisor, the
+    settings) must not touch CUDA either, or a GPU it hands on could be left in a state a child cannot use."""
+    import subprocess
+
+    code = (
+        "import sys, tools.cli, services.worker.gpus, shared.config, shared.logs; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'diffusers', 'transformers')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"

@@ -246,9 +246,18 @@ class VideoPipeline:
         from_on_step: list[BaseException],
     ) -> torch.Tensor:
         self._note_shape(spec, guided=negative_embeds is not None)
+
+        def report(done: int, total: int) -> None:
+            if on_step is not None:
+                try:
+                    on_step(done, total)
+                except BaseException as exc:
+                    from_on_step.append(exc)  # tells on_step's own errors apart from the model's
+                    raise
+
         if self.policy.cfg_batch and _plain_wan_loop(self.pipe):
-            return self._denoise_batched(spec, prompt_embeds, negative_embeds, on_step, from_on_step)
-        return self._denoise_plain(spec, prompt_embeds, negative_embeds, on_step, from_on_step)
+            return self._denoise_batched(spec, prompt_embeds, negative_embeds, report)
+        return self._denoise_plain(spec, prompt_embeds, negative_embeds, report)
 
     def _note_shape(self, spec: GenerationSpec, *, guided: bool) -> None:
         """Record the self-attention's kernel for this shape; log a compile for a shape the blocks have not run."""
@@ -280,8 +289,7 @@ class VideoPipeline:
         spec: GenerationSpec,
         prompt_embeds: torch.Tensor,
         negative_embeds: torch.Tensor | None,
-        on_step: StepCallback | None,
-        from_on_step: list[BaseException],
+        report: StepCallback,
     ) -> torch.Tensor:
         """WanPipeline's denoising loop with classifier-free guidance's two passes as one batch of two: the same
         latents, timesteps, scheduler and guidance formula; each sample's math is unchanged, the transformer runs
@@ -321,12 +329,7 @@ class VideoPipeline:
                 uncond, cond = noise.chunk(2)
                 noise = uncond + spec.guidance_scale * (cond - uncond)
             latents = pipe.scheduler.step(noise, t, latents, return_dict=False)[0]
-            if on_step is not None:
-                try:
-                    on_step(index + 1, len(timesteps))
-                except BaseException as exc:
-                    from_on_step.append(exc)
-                    raise
+            report(index + 1, len(timesteps))
         denoised: torch.Tensor = latents
         return denoised
 
@@ -335,17 +338,13 @@ class VideoPipeline:
         spec: GenerationSpec,
         prompt_embeds: torch.Tensor,
         negative_embeds: torch.Tensor | None,
-        on_step: StepCallback | None,
-        from_on_step: list[BaseException],
+        report: StepCallback,
     ) -> torch.Tensor:
+        """diffusers' own loop (``WanPipeline.__call__``), stopped at the latents."""
+
         def step_end(pipe: Any, step_index: int, _timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:
-            if on_step is not None:
-                try:
-                    # The scheduler's step count, not spec.steps: a higher-order scheduler takes more.
-                    on_step(step_index + 1, pipe.num_timesteps)
-                except BaseException as exc:
-                    from_on_step.append(exc)
-                    raise
+            # The scheduler's step count, not spec.steps: a higher-order scheduler takes more.
+            report(step_index + 1, pipe.num_timesteps)
             return tensors  # handed back unchanged: the pipeline reads its latents from the returned dict
 
         # The generator lives on the pipeline's device: a seed gives the same noise as a plain diffusers call.

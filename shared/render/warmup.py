@@ -31,11 +31,16 @@ def _archive(cache_dir: Path) -> Path:
     return cache_dir / f"artifacts-torch{torch.__version__}-{device}.bin"
 
 
-def use_compile_cache(cache_dir: str) -> Path:
+def use_compile_cache(cache_dir: str) -> Path | None:
     """Point torch.compile's on-disk caches at ``cache_dir`` (created) and load the archive a previous worker saved
-    there. Call before the first compile."""
+    there. Call before the first compile. A directory that cannot be made is logged, and torch keeps its own
+    default (the worker still renders; a restart compiles again): None."""
     path = Path(cache_dir).expanduser()
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        log.warning("compile cache directory unusable; kernels will not persist", extra={"error": repr(exc)})
+        return None
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path / "inductor")
     archive = _archive(path)
     if archive.exists():
@@ -55,8 +60,13 @@ def save_compile_cache(cache_dir: str) -> None:
     data, _info = saved
     archive = _archive(Path(cache_dir).expanduser())
     partial = archive.with_suffix(f".{os.getpid()}.tmp")
-    partial.write_bytes(data)
-    partial.replace(archive)  # atomic: a worker starting meanwhile reads the old archive or the new, never half
+    try:
+        partial.write_bytes(data)
+        partial.replace(archive)  # atomic: a worker starting meanwhile reads the old archive or the new, never half
+    except OSError as exc:  # a full or read-only disk costs the next start a compile, never this worker its jobs
+        log.warning("compile cache not saved", extra={"path": str(archive), "error": repr(exc)})
+        partial.unlink(missing_ok=True)
+        return
     log.info("compile cache saved", extra={"path": str(archive), "bytes": len(data)})
 
 

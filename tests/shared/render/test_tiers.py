@@ -121,7 +121,7 @@ def test_the_compile_cache_archive_is_written_and_loaded(tmp_path: Path, monkeyp
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "unchanged")  # restored after the test
     root = warmup.use_compile_cache(str(tmp_path / "cache"))
-    assert root == tmp_path / "cache" and (tmp_path / "cache").is_dir()
+    assert root is not None and root == tmp_path / "cache" and root.is_dir()
     assert Path(__import__("os").environ["TORCHINDUCTOR_CACHE_DIR"]) == root / "inductor"
     compiled = torch.compile(lambda x: torch.sin(x) * 2 + 1, fullgraph=True, dynamic=False)
     x = torch.randn(8)
@@ -130,3 +130,8 @@ def test_the_compile_cache_archive_is_written_and_loaded(tmp_path: Path, monkeyp
     archives = list(root.glob("artifacts-*.bin"))
     assert len(archives) == 1 and archives[0].stat().st_size > 0
     warmup.use_compile_cache(str(root))  # a restarted worker loads it (an unreadable one is logged, not fatal)
+    (root / archives[0].name).write_bytes(b"not an archive")
+    assert warmup.use_compile_cache(str(root)) == root  # logged; the worker compiles afresh
+    blocked = tmp_path / "file"
+    blocked.write_text("a file where the directory should be")
+    assert warmup.use_compile_cache(str(blocked / "cache")) is None  # logged; kernels just do not persist

@@ -64,6 +64,9 @@ class JobCancelled(VidqError):
 class LeaseLost(VidqError):
     """The worker's fencing token is stale: another attempt owns the job now."""
 
+    status_code = 409
+    code = "lease_lost"
+
 
 class EmbeddingsUnavailable(Exception):
     """No embedding for a text: no cache tier has it, and no prewarmer answered in time. Retryable.
@@ -71,6 +74,3 @@ class EmbeddingsUnavailable(Exception):
     Defined here, not beside the remote encoder that raises it, so the worker's task module imports no torch: Celery's
     main process loads that module, and a process that touched CUDA cannot fork a pool process that uses it.
     """
-
-    status_code = 409
-    code = "lease_lost"

@@ -46,7 +46,7 @@ import transformers
 from diffusers import WanPipeline
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from shared.render.pipeline import RenderResult, VideoPipeline, _to_uint8
+from shared.render.pipeline import RenderResult, VideoPipeline, _to_uint8, tokens_per_sample
 from shared.render.precision import dtype_name, resolve_device
 from shared.render.registry import WAN21_13B_ARCH, build_pipeline
 from shared.render.text import MAX_SEQUENCE_LENGTH, pad, texts_of
@@ -123,19 +123,12 @@ def machine(device: torch.device) -> dict[str, Any]:
     return info
 
 
-def tokens_of(pipe: Any, height: int, width: int, frames: int) -> int:
-    p_t, p_h, p_w = pipe.transformer.config.patch_size
-    latent_frames = (frames - 1) // pipe.vae_scale_factor_temporal + 1
-    scale = pipe.vae_scale_factor_spatial
-    return int(latent_frames // p_t * (height // scale // p_h) * (width // scale // p_w))
-
-
 def attention_kernels(pipe: Any, shape: str, device: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
     """SDPA's backends at the self-attention's shape (a batch of two: both guidance passes): time and rate of each
     that runs, and which one SDPA picks by default."""
     config = pipe.transformer.config
     heads, head_dim = config.num_attention_heads, config.attention_head_dim
-    tokens = tokens_of(pipe, *parse_shape(shape))
+    tokens = tokens_per_sample(pipe, *parse_shape(shape))
     q, k, v = (torch.randn((2, tokens, heads, head_dim), device=device, dtype=dtype).transpose(1, 2) for _ in range(3))
     flop = 4 * 2 * heads * tokens * tokens * head_dim
     default = SDPBackend(torch._fused_sdp_choice(q, k, v)).name
@@ -290,7 +283,7 @@ class Bench:
 
     def headline(self, shape: str) -> None:
         spec = self.spec(shape)
-        entry: dict[str, Any] = {"tokens": tokens_of(self.pipe, spec.height, spec.width, spec.num_frames)}
+        entry: dict[str, Any] = {"tokens": tokens_per_sample(self.pipe, spec.height, spec.width, spec.num_frames)}
         self.report["shapes"][shape] = entry
         entry["attention_kernels"] = attention_kernels(self.pipe, shape, self.device, self.dtype)
         entry["warm_up_s"] = warm_up(self.exact, [shape], guidance_scale=self.args.guidance)[shape]

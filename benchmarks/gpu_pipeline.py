@@ -32,7 +32,7 @@ import tokenizers
 import torch
 import transformers
 
-from shared.render.pipeline import VideoPipeline
+from shared.render.pipeline import VideoPipeline, tokens_per_sample
 from shared.render.precision import dtype_name, resolve_device
 from shared.render.registry import WAN21_13B_ARCH, build_pipeline
 from shared.render.video import encode_mp4, probe
@@ -90,10 +90,7 @@ def denoise_tflop(pipe: Any, spec: GenerationSpec) -> float:
     """Matmul FLOPs of the transformer over all steps (projections, attention, FFN), in TFLOP."""
     cfg = pipe.transformer.config
     dim, ffn, layers = cfg.num_attention_heads * cfg.attention_head_dim, cfg.ffn_dim, cfg.num_layers
-    p_t, p_h, p_w = cfg.patch_size
-    latent_frames = (spec.num_frames - 1) // pipe.vae_scale_factor_temporal + 1
-    scale = pipe.vae_scale_factor_spatial
-    tokens = latent_frames // p_t * (spec.height // scale // p_h) * (spec.width // scale // p_w)
+    tokens = tokens_per_sample(pipe, spec.height, spec.width, spec.num_frames)
     text = 512
     self_attn = 4 * 2 * tokens * dim * dim + 2 * 2 * tokens * tokens * dim
     cross_attn = 2 * 2 * tokens * dim * dim + 2 * 2 * text * dim * dim + 2 * 2 * tokens * text * dim

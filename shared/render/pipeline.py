@@ -262,10 +262,7 @@ class VideoPipeline:
     def _note_shape(self, spec: GenerationSpec, *, guided: bool) -> None:
         """Record the self-attention's kernel for this shape; log a compile for a shape the blocks have not run."""
         config = self.pipe.transformer.config
-        p_t, p_h, p_w = config.patch_size
-        frames = (spec.num_frames - 1) // self.pipe.vae_scale_factor_temporal + 1
-        scale = self.pipe.vae_scale_factor_spatial
-        tokens = frames // p_t * (spec.height // scale // p_h) * (spec.width // scale // p_w)
+        tokens = tokens_per_sample(self.pipe, spec.height, spec.width, spec.num_frames)
         batch = 2 if guided and self.policy.cfg_batch else 1
         if (tokens, batch) not in self._attention_by_shape:
             # Asked of SDPA's own dispatcher, with tensors laid out as the attention processor passes them.
@@ -393,6 +390,15 @@ class VideoPipeline:
     def _lap(self, since: float) -> tuple[float, float]:
         now = self._clock()
         return now - since, now
+
+
+def tokens_per_sample(pipe: Any, height: int, width: int, frames: int) -> int:
+    """The transformer's sequence length for one video of this shape: latent frames × latent rows × latent columns,
+    each divided by its patch size."""
+    p_t, p_h, p_w = pipe.transformer.config.patch_size
+    latent_frames = (frames - 1) // pipe.vae_scale_factor_temporal + 1
+    scale = pipe.vae_scale_factor_spatial
+    return int(latent_frames // p_t * (height // scale // p_h) * (width // scale // p_w))
 
 
 def _plain_wan_loop(pipe: Any) -> bool:

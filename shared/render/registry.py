@@ -28,7 +28,7 @@ from shared.render.pipeline import VideoPipeline
 from shared.render.pool import PipelinePool, PoolPolicy
 from shared.render.precision import dtype_from_name, dtype_name, resolve_device
 from shared.render.text import LOCAL, encoder_identity
-from shared.render.tiers import policy_for
+from shared.render.tiers import compiles, policy_for
 from shared.spec import Precision
 
 MEMORY_MODES = ("resident", "low_vram")
@@ -118,10 +118,8 @@ def pipeline_key(
     compile_mode: str = "off",
 ) -> PipelineKey:
     """The key ``model`` runs under on this machine: ``settings.device`` and ``settings.cuda_dtype`` resolved;
-    ``compile_mode`` is ``settings.worker_compile`` ("auto": on CUDA only). A ``low_vram`` pipeline is not compiled:
-    its blocks move between devices as they run."""
+    ``compile_mode`` is ``settings.worker_compile`` (shared/render/tiers.py ``compiles``)."""
     device, dtype = resolve_device(device_pref, cuda_dtype=cuda_dtype)
-    compiled = compile_mode == "on" or (compile_mode == "auto" and device.type == "cuda")
     return PipelineKey(
         model=model,
         precision=dtype_name(dtype),
@@ -129,7 +127,7 @@ def pipeline_key(
         text_encoder=text_encoder,
         memory_mode=memory_mode,
         tier=tier,
-        compile=compiled and memory_mode == "resident",
+        compile=compiles(compile_mode, device=device, memory_mode=memory_mode),
     )
 
 

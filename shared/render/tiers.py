@@ -67,11 +67,18 @@ class TierPolicy:
         return asdict(self)
 
 
+def compiles(compile_mode: str, *, device: torch.device, memory_mode: str = "resident") -> bool:
+    """Whether a pipeline's blocks are compiled: ``compile_mode`` is the worker's setting ("auto": on CUDA only; on
+    the CPU a compile costs minutes and gains little; "on"; "off"). Never under ``low_vram``: its blocks move between
+    devices as they run."""
+    wanted = compile_mode == "on" or (compile_mode == "auto" and device.type == "cuda")
+    return wanted and memory_mode == "resident"
+
+
 def policy_for(
     tier: Precision, *, device: torch.device, compile_mode: str = "auto", memory_mode: str = "resident"
 ) -> TierPolicy:
-    """The levers ``tier`` uses on ``device``. ``compile_mode`` is the worker's setting: "auto" compiles on CUDA only
-    (on the CPU a compile costs minutes and gains little), "on" and "off" force it. Under ``low_vram`` the blocks
+    """The levers ``tier`` uses on ``device``; ``compile_mode`` as in ``compiles``. Under ``low_vram`` the blocks
     stream between devices as they run: no compile, no fused projections (new weights the streaming does not know),
     and the guidance passes stay two (a batch of two doubles the activations the mode exists to keep small)."""
     if tier not in BUILT:
@@ -80,7 +87,7 @@ def policy_for(
     resident = memory_mode == "resident"
     return TierPolicy(
         name=tier,
-        compile_blocks=resident and (compile_mode == "on" or (compile_mode == "auto" and cuda)),
+        compile_blocks=compiles(compile_mode, device=device, memory_mode=memory_mode),
         fused_qkv=resident,
         cfg_batch=resident,
         # The VAE in bf16 halves its memory traffic; its drift against float32 is in the GPU benchmark's results.
@@ -110,9 +117,9 @@ def resolve_tier(requested: Precision | None, default: Precision) -> tuple[Preci
 def tensor_format(tier: Precision, name: str, *, compute: str, vae: str) -> str:
     """The number format of the weight ``name`` (dotted, in the pipeline: ``transformer.blocks.3.attn1.to_q.weight``)
     under ``tier``: the first matching row of ``MODULE_TABLE``; ``compute``/``vae`` name the dtypes in use."""
-    for pattern, fmt in MODULE_TABLE[tier]:
+    for pattern, fmt in applied_table(tier, compute=compute, vae=vae):
         if fnmatchcase(name, pattern):
-            return {"compute": compute, "vae": vae}.get(fmt, fmt)
+            return fmt
     raise LookupError(f"no row of the {tier!r} table covers {name!r}")
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime as dt
+import functools
 import json
 import math
 import platform
@@ -46,6 +47,7 @@ import transformers
 from diffusers import WanPipeline
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from shared.render.attention import FLASH_ATTENTION_4, SDPA_PREFERENCE, flash4_unavailable, use_flash4
 from shared.render.pipeline import RenderResult, VideoPipeline, _to_uint8, tokens_per_sample
 from shared.render.precision import dtype_name, resolve_device
 from shared.render.registry import WAN21_13B_ARCH, build_pipeline
@@ -72,8 +74,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--phases",
         default="headline,ablation",
-        help="comma-separated: headline (plain vs exact per shape), ablation (each lever's share at the first "
-        "shape), profile (the exact render's GPU time by kernel kind), vae (the VAE's decode by layout)",
+        help="comma-separated: headline (plain vs exact per shape), ablation (levers' shares at the first shape), "
+        "profile (the exact render's GPU time by kernel kind)",
     )
     parser.add_argument("--tag", default="", help="appended to the results' file names")
     parser.add_argument("--device", default="cuda")
@@ -124,25 +126,45 @@ def machine(device: torch.device) -> dict[str, Any]:
 
 
 def attention_kernels(pipe: Any, shape: str, device: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
-    """SDPA's backends at the self-attention's shape (a batch of two: both guidance passes): time and rate of each
-    that runs, and which one SDPA picks by default."""
+    """The attention kernels at the self-attention's shape (a batch of two: both guidance passes): time and rate of
+    each that runs, which one SDPA picks by default, and each one's largest difference from SDPA's default."""
     config = pipe.transformer.config
     heads, head_dim = config.num_attention_heads, config.attention_head_dim
     tokens = tokens_per_sample(pipe, *parse_shape(shape))
-    q, k, v = (torch.randn((2, tokens, heads, head_dim), device=device, dtype=dtype).transpose(1, 2) for _ in range(3))
+    # (batch, tokens, heads, head_dim) as the attention processor holds them; SDPA takes them heads first.
+    q, k, v = (torch.randn((2, tokens, heads, head_dim), device=device, dtype=dtype) for _ in range(3))
+    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
     flop = 4 * 2 * heads * tokens * tokens * head_dim
-    default = SDPBackend(torch._fused_sdp_choice(q, k, v)).name
-    rows = []
+    default = SDPBackend(torch._fused_sdp_choice(qh, kh, vh)).name
+    reference = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh).transpose(1, 2)
+    kernels: dict[str, Callable[[], torch.Tensor]] = {}
+    if flash4_unavailable(device, head_dim=head_dim, dtype=dtype) is None:
+        use_flash4(torch.nn.Module())  # defines the operator; routes nothing
+        kernels[FLASH_ATTENTION_4] = lambda: torch.ops.vidq.flash_attention_4(q, k, v, None, False)
     for name in ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION"):
+        kernels[name] = functools.partial(sdpa_with, getattr(SDPBackend, name), qh, kh, vh)
+    rows = []
+    for name, kernel in kernels.items():
         try:
-            with sdpa_kernel([getattr(SDPBackend, name)]):
-                seconds = timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), device, reps=5)
+            seconds = timed(kernel, device, reps=5)
             rows.append(
-                {"backend": name, "ms": seconds * 1e3, "tflop_s": flop / seconds / 1e12, "default": name == default}
+                {
+                    "backend": name,
+                    "ms": seconds * 1e3,
+                    "tflop_s": flop / seconds / 1e12,
+                    "default": name == default,
+                    "max_abs_diff": float((kernel().float() - reference.float()).abs().max()),
+                }
             )
-        except RuntimeError as exc:  # not available for this shape, dtype or device
+        except Exception as exc:  # not available for this shape, dtype or device
             rows.append({"backend": name, "error": str(exc).splitlines()[0][:200], "default": name == default})
     return rows
+
+
+def sdpa_with(backend: SDPBackend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """SDPA on ``backend`` alone, heads-first in, (batch, tokens, heads, head_dim) out."""
+    with sdpa_kernel([backend]):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2)
 
 
 def timed(fn: Callable[[], object], device: torch.device, *, reps: int) -> float:
@@ -249,14 +271,14 @@ class Bench:
     def peak(self) -> float | None:
         return torch.cuda.max_memory_allocated(self.device) / GIB if self.device.type == "cuda" else None
 
-    def copy_pipeline(self, policy: TierPolicy, *, share_vae: bool = False) -> VideoPipeline:
-        """A VideoPipeline under ``policy`` on deep copies of the plain pipeline's transformer (and VAE): the same
-        weights, levers applied to the copy only."""
+    def copy_pipeline(self, policy: TierPolicy, *, share_transformer: bool = False) -> VideoPipeline:
+        """A VideoPipeline under ``policy`` on deep copies of the plain pipeline's VAE (and transformer): the same
+        weights, levers applied to the copies only. A shared transformer takes no lever: eager policies only."""
         pipe = WanPipeline(
             tokenizer=self.pipe.tokenizer,
             text_encoder=None,
-            transformer=copy.deepcopy(self.pipe.transformer),
-            vae=self.pipe.vae if share_vae else copy.deepcopy(self.pipe.vae),
+            transformer=self.pipe.transformer if share_transformer else copy.deepcopy(self.pipe.transformer),
+            vae=copy.deepcopy(self.pipe.vae),
             scheduler=copy.deepcopy(self.pipe.scheduler),
         )
         pipe.set_progress_bar_config(disable=True)
@@ -332,23 +354,21 @@ class Bench:
         }
 
     def vae_share(self, plain: dict[str, Any]) -> dict[str, float]:
-        """The VAE alone: plain's latents decoded by the exact pipeline's VAE against plain's float32 decode."""
+        """The VAE alone: plain's latents decoded by the exact pipeline's VAE against plain's float32 decode, and
+        the same bf16 VAE run eagerly (the compiled decoder's share)."""
         with torch.inference_mode():
             decode = lambda: self.exact._decode(plain["latents"])  # noqa: E731
             bf16_s = timed(decode, self.device, reps=2)
             frames = _to_uint8(decode())
-            # The same bf16 VAE with cuDNN's default algorithm choice: the autotuner's share.
-            untuned = replace(self.exact.policy, compile_blocks=False, conv_autotune=False)
-            default_algos = VideoPipeline(
-                self.exact.pipe, model=self.args.model, device=self.device, dtype=self.dtype, policy=untuned
-            )
-            untuned_s = timed(lambda: default_algos._decode(plain["latents"]), self.device, reps=2)
+            eager = self.copy_pipeline(eager_policy(), share_transformer=True)
+            eager.pipe.vae.to(getattr(torch, self.exact.policy.vae_dtype))
+            eager_s = timed(functools.partial(eager._decode, plain["latents"]), self.device, reps=2)
             fp32_vae = VideoPipeline(self.pipe, model=self.args.model, device=self.device, dtype=self.dtype)
             fp32_s = timed(lambda: fp32_vae._decode(plain["latents"]), self.device, reps=2)
         return {
             "dtype": self.exact.policy.vae_dtype,
             "decode_s": bf16_s,
-            "untuned_decode_s": untuned_s,
+            "eager_decode_s": eager_s,
             "float32_decode_s": fp32_s,
             "frames_psnr_db": psnr(frames, plain["frames"]),
             "frames_max_abs": int(np.abs(frames.astype(np.int16) - plain["frames"]).max()),
@@ -358,31 +378,19 @@ class Bench:
         """Each lever's share at ``shape``, while the budget lasts: one lever added at a time from plain eager."""
         spec = self.spec(shape)
         exact = self.exact.policy
-        steps: list[tuple[str, Callable[[], VideoPipeline]]] = [
-            ("exact, Triton kernels' launch parameters tuned (coordinate descent)", self.coordinate_descent),
+        steps: list[tuple[str, Callable[[], VideoPipeline]]] = []
+        if self.exact.flash4:
+            steps.append(
+                (
+                    "exact, attention on SDPA (cuDNN) instead of FlashAttention 4",
+                    lambda: self.copy_pipeline(replace(exact, attention=SDPA_PREFERENCE)),
+                )
+            )
+        steps += [
+            ("exact, VAE decoder eager", lambda: self.copy_pipeline(replace(exact, compile_vae=False))),
             (
-                "compiled blocks, two passes, VAE float32",
-                lambda: self.copy_pipeline(
-                    replace(exact, fused_qkv=False, cfg_batch=False, vae_dtype="float32"), share_vae=True
-                ),
-            ),
-            (
-                "compiled blocks + guidance batch, VAE float32",
-                lambda: self.copy_pipeline(replace(exact, fused_qkv=False, vae_dtype="float32"), share_vae=True),
-            ),
-            (
-                "compiled blocks + guidance batch + fused q/k/v, VAE float32",
-                lambda: self.copy_pipeline(replace(exact, vae_dtype="float32"), share_vae=True),
-            ),
-            (
-                "eager, guidance batch, VAE float32",
-                lambda: VideoPipeline(
-                    self.pipe,
-                    model=self.args.model,
-                    device=self.device,
-                    dtype=self.dtype,
-                    policy=replace(eager_policy(), cfg_batch=True),
-                ),
+                "exact + CUDA graphs (compile mode reduce-overhead)",
+                lambda: self.copy_pipeline(replace(exact, compile_mode="reduce-overhead")),
             ),
         ]
         if "plain_s" in self.report["shapes"].get(shape, {}):
@@ -420,15 +428,6 @@ class Bench:
                     torch.cuda.empty_cache()
             self.write()
 
-    def coordinate_descent(self) -> VideoPipeline:
-        """The exact tier with inductor tuning each generated kernel's block sizes (compile time for speed): its
-        own compile (its options make it a backend of its own, so nothing compiled before is reused)."""
-        pipeline = self.copy_pipeline(replace(self.exact.policy, compile_blocks=False))
-        pipeline.pipe.transformer.compile_repeated_blocks(
-            fullgraph=True, dynamic=False, options={"coordinate_descent_tuning": True}
-        )
-        return pipeline
-
     def profile(self, shape: str) -> None:
         """GPU time of one exact render (2 steps) by kernel kind, and its busiest kernels."""
         from torch.profiler import ProfilerActivity, profile
@@ -455,39 +454,6 @@ class Bench:
             "wall_s": result.timings_s,
             "by_kind_s": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
             "top": kernels[:25],
-        }
-
-    def vae_layouts(self, shape: str) -> None:
-        """The bf16 VAE's decode of the same latents with its convolutions' weights channels-last (cuDNN's native
-        layout for tensor cores) against the default layout: time and the frames' difference."""
-        spec = self.spec(shape)
-        latents = self.vidq(self.exact, spec).latents
-        assert latents is not None
-        vae = copy.deepcopy(self.exact.pipe.vae)
-        for module in vae.modules():
-            weight = getattr(module, "weight", None)
-            if isinstance(weight, torch.nn.Parameter) and weight.dim() in (4, 5):
-                layout = torch.channels_last_3d if weight.dim() == 5 else torch.channels_last
-                weight.data = weight.data.contiguous(memory_format=layout)
-        pipe = WanPipeline(
-            tokenizer=self.pipe.tokenizer,
-            text_encoder=None,
-            transformer=self.exact.pipe.transformer,
-            vae=vae,
-            scheduler=self.exact.pipe.scheduler,
-        )
-        policy = replace(self.exact.policy, compile_blocks=False)
-        channels_last = VideoPipeline(pipe, model=self.args.model, device=self.device, dtype=self.dtype, policy=policy)
-        with torch.inference_mode():
-            default_s = timed(lambda: self.exact._decode(latents), self.device, reps=3)
-            last_s = timed(lambda: channels_last._decode(latents), self.device, reps=3)
-            a, b = _to_uint8(self.exact._decode(latents)), _to_uint8(channels_last._decode(latents))
-        self.report["vae_layouts"] = {
-            "shape": shape,
-            "default_s": default_s,
-            "channels_last_s": last_s,
-            "psnr_db": psnr(a, b),
-            "max_abs": int(np.abs(a.astype(np.int16) - b).max()),
         }
 
     def fail(self, phase: str, exc: BaseException) -> None:
@@ -545,7 +511,7 @@ def markdown(report: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        "| shape | exact denoise s | decode s (exact / bf16 untuned / fp32) | attention ran | latents max abs diff "
+        "| shape | exact denoise s | decode s (exact / bf16 eager / fp32) | attention ran | latents max abs diff "
         "| frames PSNR dB | VAE-only PSNR dB |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
@@ -554,21 +520,25 @@ def markdown(report: dict[str, Any]) -> str:
             continue
         d, v = e["drift"], e["vae"]
         lines.append(
-            f"| {shape} | {e['exact_stages_s']['denoise']:.3f} | {v['decode_s']:.3f} / {v['untuned_decode_s']:.3f} / "
+            f"| {shape} | {e['exact_stages_s']['denoise']:.3f} | {v['decode_s']:.3f} / {v['eager_decode_s']:.3f} / "
             f"{v['float32_decode_s']:.3f} | "
             f"{e['attention_ran']} | {d['latents_max_abs']:.4g} (of {d['latents_abs_max']:.3g}) | "
             f"{d['frames_psnr_db']:.1f} | {v['frames_psnr_db']:.1f} |"
         )
-    lines += ["", "| shape | SDPA backend | ms (batch 2) | TFLOP/s | default |", "| --- | --- | --- | --- | --- |"]
+    lines += [
+        "",
+        "| shape | attention kernel | ms (batch 2) | TFLOP/s | SDPA's default | max abs diff from SDPA's default |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for shape, e in report["shapes"].items():
         for k in e.get("attention_kernels", []):
             if "ms" in k:
                 lines.append(
                     f"| {shape} | {k['backend']} | {k['ms']:.2f} | {k['tflop_s']:.0f} "
-                    f"| {'yes' if k['default'] else ''} |"
+                    f"| {'yes' if k['default'] else ''} | {k.get('max_abs_diff', float('nan')):.3g} |"
                 )
             else:
-                lines.append(f"| {shape} | {k['backend']} | — | {k['error']} | |")
+                lines.append(f"| {shape} | {k['backend']} | — | {k['error']} | | |")
     if report["ablation"]:
         lines += [
             "",
@@ -599,13 +569,6 @@ def markdown(report: dict[str, Any]) -> str:
             "| --- | --- | --- | --- |",
             *(f"| `{k['kernel'][:90]}` | {k['kind']} | {k['s']:.4f} | {k['calls']} |" for k in p["top"][:15]),
         ]
-    if "vae_layouts" in report:
-        v = report["vae_layouts"]
-        lines += [
-            "",
-            f"VAE decode at {v['shape']} (bf16): default layout {v['default_s']:.3f} s, channels-last weights "
-            f"{v['channels_last_s']:.3f} s; frames PSNR between them {v['psnr_db']:.1f} dB (max abs {v['max_abs']}).",
-        ]
     for error in report["errors"]:
         lines.append(f"\nerror in {error['phase']}: {error['error'][:300]}")
     lines += [
@@ -628,13 +591,12 @@ def main(argv: list[str] | None = None) -> int:
     phases = set(args.phases.split(","))
     bench.build()
     bench.write()
-    for name, phase in (("profile", bench.profile), ("vae", bench.vae_layouts)):
-        if name in phases:
-            try:
-                phase(args.shapes[0])
-            except Exception as exc:
-                bench.fail(name, exc)
-            bench.write()
+    if "profile" in phases:
+        try:
+            bench.profile(args.shapes[0])
+        except Exception as exc:
+            bench.fail("profile", exc)
+        bench.write()
     for shape in args.shapes if "headline" in phases else []:
         try:
             bench.headline(shape)

@@ -24,6 +24,7 @@ import torch
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline  # the root re-exports a placeholder to mypy
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from shared.render.attention import FLASH_ATTENTION_4, SDPA_PREFERENCE, flash4_unavailable, use_flash4
 from shared.render.precision import dtype_name
 from shared.render.text import (
     MAX_SEQUENCE_LENGTH,
@@ -38,7 +39,7 @@ from shared.spec import GenerationSpec
 
 log = logging.getLogger("vidq.render")
 
-RECOMPILE_LIMIT = 64  # compiled shapes (tokens × batch) per process before torch falls back to eager
+RECOMPILE_LIMIT = 64  # compiled graphs per function (a shape each) before torch falls back to eager
 
 StepCallback = Callable[[int, int], None]
 # Texts to their real-token embedding rows (shared/render/text.py): the worker passes the embedding cache's lookup.
@@ -95,6 +96,7 @@ class VideoPipeline:
         self.identity = identity or encoder_identity(model, dtype=dtype)
         self.encoder = pipeline_text_encoder(pipe, self.identity)  # None: built without one (remote text encoding)
         self.policy = policy or eager_policy()
+        self.flash4 = False  # the transformer's attention runs on FlashAttention 4 (else on SDPA)
         self._apply_policy()
         # (tokens per sample, batch) the transformer has run: compiled blocks compile for another one first (logged).
         self.rendered_shapes: set[tuple[int, int]] = set()
@@ -108,17 +110,23 @@ class VideoPipeline:
             for module in transformer.modules():
                 if hasattr(module, "fuse_projections"):
                     module.fuse_projections()
+        if FLASH_ATTENTION_4 in policy.attention and transformer is not None:
+            head_dim = transformer.config.attention_head_dim
+            reason = flash4_unavailable(self.device, head_dim=head_dim, dtype=self.dtype)
+            if reason is None:
+                self.flash4 = use_flash4(transformer) > 0
+            else:
+                log.info("FlashAttention 4 not used; attention runs on SDPA", extra={"reason": reason})
         if policy.compile_blocks and transformer is not None:
             # Static shapes: each (tokens, batch) gets its own kernels, compiled once and kept in the compile cache.
-            # torch stops compiling a function after a few shapes (and silently runs it eagerly from then on); a
-            # worker serves as many shapes as its jobs ask for.
-            config = torch._dynamo.config
-            name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # its older name
-            setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
+            _raise_recompile_limit()
             transformer.compile_repeated_blocks(fullgraph=True, dynamic=False, mode=policy.compile_mode)
         vae_dtype = getattr(torch, policy.vae_dtype)
         if self.pipe.vae.dtype != vae_dtype:
             self.pipe.vae.to(vae_dtype)
+        if policy.compile_vae:
+            _raise_recompile_limit()
+            _compile_decoder(self.pipe.vae)
 
     def encode_texts(self, texts: list[str]) -> list[torch.Tensor]:
         """Encode with the pipeline's own text encoder, one text at a time as ``encode_prompt`` does."""
@@ -205,7 +213,7 @@ class VideoPipeline:
         scope: StageScope,
         kept: list[torch.Tensor] | None = None,
     ) -> np.ndarray:
-        backends = [getattr(SDPBackend, name) for name in self.policy.attention]
+        backends = [getattr(SDPBackend, name) for name in self.policy.attention if name in SDPA_PREFERENCE]
         with torch.inference_mode(), sdpa_kernel(backends, set_priority=True):
             started = stage = self._clock()
 
@@ -264,7 +272,9 @@ class VideoPipeline:
         config = self.pipe.transformer.config
         tokens = tokens_per_sample(self.pipe, spec.height, spec.width, spec.num_frames)
         batch = 2 if guided and self.policy.cfg_batch else 1
-        if (tokens, batch) not in self._attention_by_shape:
+        if self.flash4:
+            self._attention_by_shape[tokens, batch] = FLASH_ATTENTION_4
+        elif (tokens, batch) not in self._attention_by_shape:
             # Asked of SDPA's own dispatcher, with tensors laid out as the attention processor passes them.
             heads, head_dim = config.num_attention_heads, config.attention_head_dim
             probe = torch.empty((batch, tokens, heads, head_dim), device=self.device, dtype=self.dtype)
@@ -390,6 +400,30 @@ class VideoPipeline:
     def _lap(self, since: float) -> tuple[float, float]:
         now = self._clock()
         return now - since, now
+
+
+def _raise_recompile_limit() -> None:
+    """torch stops compiling a function after a few shapes (and silently runs it eagerly from then on); a worker
+    serves as many shapes as its jobs ask for."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # its older name
+    setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
+
+
+def _compile_decoder(vae: Any) -> None:
+    """Compile the VAE's decoder: its norms, activations, causal pads, cache copies and residual adds fuse into a
+    few kernels around cuDNN's convolutions. The VAE decodes a video one latent frame at a time through the decoder,
+    carrying a cache of the previous frames' features; the first few frames' caches differ in length, so a frame
+    size compiles a handful of graphs, the same for every video length: the decoder is handed each frame as its own
+    contiguous tensor (the VAE passes a slice of the whole video, whose strides depend on the video's length)."""
+    decoder = vae.decoder
+    compiled = torch.compile(decoder.forward, dynamic=False)
+
+    def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        out: torch.Tensor = compiled(x.contiguous(), *args, **kwargs)
+        return out
+
+    decoder.forward = forward
 
 
 def tokens_per_sample(pipe: Any, height: int, width: int, frames: int) -> int:

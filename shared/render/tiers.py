@@ -5,9 +5,10 @@ A job names a tier (``precision`` on the request; the worker's ``VIDQ_WORKER_PRE
 * ``exact`` — the model's own math in bf16 (float32 on the CPU), with the fastest kernels that keep it: the
   transformer's repeated blocks compiled (fused elementwise work around cuBLAS GEMMs and SDPA's attention), the
   query/key/value projections as one GEMM, the conditional and unconditional passes of classifier-free guidance
-  as one batch of two, SDPA's attention backend chosen by preference and recorded, the VAE decoding in bf16. None
-  of it changes what is computed, only how; the rounding differs from a plain eager call by the amounts the GPU
-  benchmark records (PSNR of frames, largest latent difference).
+  as one batch of two, attention on FlashAttention 4 where it runs and otherwise on SDPA's backend chosen by
+  preference (shared/render/attention.py; the kernel that ran is recorded), the VAE decoding in bf16 with its
+  decoder compiled. None of it changes what is computed, only how; the rounding differs from a plain eager call by
+  the amounts the GPU benchmark records (PSNR of frames, largest latent difference).
 * ``fast`` — accepted today and rendered as ``exact``; the job's result says so.
 
 ``TierPolicy`` holds the levers; ``MODULE_TABLE`` says, per weight of a Wan pipeline, which number format its
@@ -23,6 +24,7 @@ from typing import Any
 
 import torch
 
+from shared.render.attention import FLASH_ATTENTION_4, SDPA_PREFERENCE
 from shared.spec import PRECISIONS, Precision
 
 # The tiers this build renders; a requested tier not in here renders as the first one, and the result says so.
@@ -45,9 +47,9 @@ MODULE_TABLE: dict[Precision, tuple[tuple[str, str], ...]] = {
     ),
 }
 
-# SDPA backends in order of preference: the first that can run the call's shape and dtype is used. cuDNN's fused
-# attention is the fastest exact kernel measured on Hopper at Wan's shapes; the others are its fall-backs.
-ATTENTION_PREFERENCE = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+# Attention kernels in order of preference: the first that can run on the device, the call's shape and dtype is used
+# (shared/render/attention.py). The SDPA names are SDPA's own backends.
+ATTENTION_PREFERENCE = (FLASH_ATTENTION_4, *SDPA_PREFERENCE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,8 +62,9 @@ class TierPolicy:
     cfg_batch: bool  # the conditional and unconditional passes as one batch of two
     vae_dtype: str  # "bfloat16" or "float32": what the VAE decodes in
     compile_mode: str = "default"  # torch.compile's mode for them ("max-autotune-no-cudagraphs": Triton GEMMs too)
+    compile_vae: bool = False  # torch.compile the VAE's decoder (its norms, activations, pads and caches fused)
     conv_autotune: bool = False  # cuDNN times its convolution algorithms once per shape and keeps the fastest (VAE)
-    attention: tuple[str, ...] = ATTENTION_PREFERENCE
+    attention: tuple[str, ...] = SDPA_PREFERENCE  # kernels by preference (ATTENTION_PREFERENCE's names)
 
     def describe(self) -> dict[str, Any]:
         return asdict(self)
@@ -85,14 +88,19 @@ def policy_for(
         raise ValueError(f"tier {tier!r} is not built; built: {BUILT}")
     cuda = device.type == "cuda"
     resident = memory_mode == "resident"
+    compiled = compiles(compile_mode, device=device, memory_mode=memory_mode)
     return TierPolicy(
         name=tier,
-        compile_blocks=compiles(compile_mode, device=device, memory_mode=memory_mode),
+        compile_blocks=compiled,
         fused_qkv=resident,
         cfg_batch=resident,
         # The VAE in bf16 halves its memory traffic; its drift against float32 is in the GPU benchmark's results.
         # The CPU computes in float32 throughout.
         vae_dtype="bfloat16" if cuda else "float32",
+        # One set of graphs per frame size, whatever the video's length (shared/render/pipeline.py).
+        compile_vae=compiled,
+        # FlashAttention 4 where it runs (Hopper, Blackwell, the package installed), else SDPA's preference.
+        attention=ATTENTION_PREFERENCE if cuda else SDPA_PREFERENCE,
         # Off: on an H200 the autotuner's choice decoded no faster than cuDNN's heuristics (0.705 s against 0.704 at
         # 480×832×33), and its timing runs again on every new thread.
         conv_autotune=False,

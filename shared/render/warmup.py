@@ -4,8 +4,9 @@ reports ready.
 torch.compile keeps what it builds in an on-disk cache (``TORCHINDUCTOR_CACHE_DIR``: generated kernels, compiled
 graphs, autotuning results). ``use_compile_cache`` points it at the worker's cache directory and loads the portable
 archive of a previous process (``torch.compiler.save_cache_artifacts``), which also carries the graphs torch's
-per-process caches would otherwise rebuild; ``save_compile_cache`` writes that archive after a warm-up. A restarted
-worker on the same machine then loads its kernels instead of compiling them.
+per-process caches would otherwise rebuild; ``save_compile_cache`` writes that archive after a warm-up. FlashAttention
+4's kernels, compiled on first use as well, are kept in a folder of their own beside them. A restarted worker on the
+same machine then loads its kernels instead of compiling them.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ def use_compile_cache(cache_dir: str) -> Path | None:
         log.warning("compile cache directory unusable; kernels will not persist", extra={"error": repr(exc)})
         return None
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path / "inductor")
+    # FlashAttention 4 compiles its kernels on first use too (shared/render/attention.py); read when it is imported.
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", str(path / "flash_attention_4"))
     archive = _archive(path)
     if archive.exists():
         try:

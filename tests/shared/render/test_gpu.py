@@ -5,10 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
+from shared.render.attention import SDPA_PREFERENCE, flash4_unavailable, use_flash4
 from shared.render.pipeline import VideoPipeline
 from shared.render.precision import resolve_device
 from shared.render.registry import TINY_WAN, build_pipeline
+from shared.render.tiers import policy_for
 from shared.spec import GenerationSpec
 
 pytestmark = [
@@ -89,3 +92,33 @@ def test_cancel_releases_device_memory(tiny_cuda: VideoPipeline) -> None:
     assert caught.value.__traceback__ is not None
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() - before < 256 * 1024
+
+
+def test_flash_attention_4_computes_what_sdpa_computes() -> None:
+    device = torch.device("cuda")
+    reason = flash4_unavailable(device, head_dim=128, dtype=torch.bfloat16)
+    if reason is not None:
+        pytest.skip(f"FlashAttention 4 cannot run here: {reason}")
+    use_flash4(torch.nn.Module())  # defines the operator
+    generator = torch.Generator(device=device).manual_seed(0)
+    # Wan 2.1 1.3B's heads (12 × 128), a batch of two as classifier-free guidance runs them, self and cross.
+    q = torch.randn((2, 4096, 12, 128), device=device, dtype=torch.bfloat16, generator=generator)
+    for kv_tokens in (4096, 512):
+        shape = (2, kv_tokens, 12, 128)
+        k, v = (torch.randn(shape, device=device, dtype=torch.bfloat16, generator=generator) for _ in "kv")
+        got = torch.ops.vidq.flash_attention_4(q, k, v, None, False)
+        want = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+        assert got.shape == want.shape and got.dtype == torch.bfloat16
+        assert (got.float() - want.float()).abs().max() < 2e-2  # bf16 rounding of outputs of magnitude < 1
+
+
+def test_a_model_whose_heads_flash_attention_4_has_no_kernel_for_runs_on_sdpa(tiny_cuda: VideoPipeline) -> None:
+    exact = VideoPipeline(
+        build_pipeline(TINY_WAN, device=tiny_cuda.device, dtype=torch.bfloat16),
+        model=TINY_WAN,
+        device=tiny_cuda.device,
+        dtype=torch.bfloat16,
+        policy=policy_for("exact", device=tiny_cuda.device, compile_mode="off"),
+    )
+    assert exact.pipe.transformer.config.attention_head_dim == 12 and not exact.flash4
+    assert exact.generate(SPEC).precision.attention in SDPA_PREFERENCE

@@ -1,21 +1,35 @@
 """Precision tiers on the CPU: the policy's levers, its module table against the weights a build really holds, the
-attention backend's fall-back, the batched guidance loop against diffusers' own, warm-up and the compile cache's
-archive. (The GPU figures are the benchmark's: benchmarks/gpu_exact.py.)"""
+attention kernel's fall-backs and its route through diffusers, the compiled VAE decoder against the eager one, the
+batched guidance loop against diffusers' own, warm-up and the compile cache's archive. (The GPU figures are the
+benchmark's: benchmarks/gpu_exact.py.)"""
 
 from __future__ import annotations
 
+import copy
+import logging
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.attention import SDPBackend
 
 from shared.config import Settings
+from shared.render import attention
+from shared.render.attention import FLASH_ATTENTION_4, SDPA_PREFERENCE, flash4_unavailable, use_flash4
 from shared.render.pipeline import RenderResult, VideoPipeline
 from shared.render.registry import TINY_WAN, build_pipeline
-from shared.render.tiers import MODULE_TABLE, eager_policy, policy_for, resolve_tier, tensor_format
+from shared.render.tiers import (
+    ATTENTION_PREFERENCE,
+    MODULE_TABLE,
+    eager_policy,
+    policy_for,
+    resolve_tier,
+    tensor_format,
+)
 from shared.render.warmup import warm_up
 from shared.spec import parse_shape
 from tests.shared.render.test_registry import make_spec
@@ -54,8 +68,11 @@ def test_the_levers_follow_the_device_the_compile_setting_and_the_memory_mode() 
     on_cpu = policy_for("exact", device=CPU)
     assert not on_cpu.compile_blocks and on_cpu.vae_dtype == "float32"
     assert policy_for("exact", device=CPU, compile_mode="on").compile_blocks
+    assert on_gpu.compile_vae and on_gpu.attention == ATTENTION_PREFERENCE and on_gpu.attention[0] == FLASH_ATTENTION_4
+    assert not policy_for("exact", device=cuda, compile_mode="off").compile_vae
+    assert on_cpu.attention == SDPA_PREFERENCE  # FlashAttention 4 has no CPU kernel
     streamed = policy_for("exact", device=cuda, memory_mode="low_vram")
-    assert not (streamed.compile_blocks or streamed.fused_qkv or streamed.cfg_batch)
+    assert not (streamed.compile_blocks or streamed.compile_vae or streamed.fused_qkv or streamed.cfg_batch)
     assert eager_policy() == replace(on_cpu, fused_qkv=False, cfg_batch=False)
 
 
@@ -95,6 +112,92 @@ def test_the_attention_backend_falls_back_to_the_next_one_that_can_run() -> None
     math_only = exact_on_cpu(attention=("CUDNN_ATTENTION", "MATH")).generate(make_spec())
     assert math_only.precision.attention == "MATH"
     assert np.abs(math_only.frames.astype(np.int16) - default.frames).max() <= 1  # another kernel, the same math
+
+
+def test_flash_attention_4_falls_back_to_sdpa_where_it_cannot_run(caplog: pytest.LogCaptureFixture) -> None:
+    assert "CUDA" in (flash4_unavailable(CPU, head_dim=128, dtype=torch.bfloat16) or "")
+    # Asked for first, and unavailable on a CPU: the render runs on SDPA's preference and says which kernel ran.
+    with caplog.at_level(logging.INFO, logger="vidq.render"):
+        pipeline = exact_on_cpu(attention=ATTENTION_PREFERENCE)
+    assert not pipeline.flash4
+    assert any("FlashAttention 4 not used" in r.getMessage() for r in caplog.records)
+    result = pipeline.generate(make_spec())
+    q = torch.empty((1, 2, 16, 8))
+    assert result.precision.attention == SDPBackend(torch._fused_sdp_choice(q, q, q)).name
+
+
+def test_flash_attention_4_is_used_only_for_heads_dtypes_and_gpus_it_has_kernels_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cuda = torch.device("cuda")  # a device object needs no GPU; its capability is set below
+
+    def reason(capability: tuple[int, int], head_dim: int = 128, dtype: torch.dtype = torch.bfloat16) -> str:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _device=None: capability)
+        return flash4_unavailable(cuda, head_dim=head_dim, dtype=dtype) or ""
+
+    assert "not installed" in reason((9, 0))  # Hopper, Wan's 128-wide heads in bf16: only the package is missing
+    assert "not installed" in reason((10, 0), head_dim=64, dtype=torch.float16)
+    assert "8.9" in reason((8, 9))  # Ada: no kernels
+    assert "head size 12" in reason((9, 0), head_dim=12)  # tiny-wan's heads
+    assert "head size 192" in reason((10, 0), head_dim=192)
+    assert "float32" in reason((9, 0), dtype=torch.float32)
+
+
+def test_flash_attention_4_is_reached_through_diffusers_dispatcher_from_compiled_blocks(
+    reference: RenderResult,
+) -> None:
+    from diffusers.models.attention_dispatch import _HUB_KERNELS_REGISTRY, AttentionBackendName
+
+    pipe = build_pipeline(TINY_WAN, device=CPU, dtype=torch.float32)
+    attentions = [m for m in pipe.transformer.modules() if hasattr(getattr(m, "processor", None), "_attention_backend")]
+    assert use_flash4(pipe.transformer) == len(attentions) > 0  # every attention of every block, self and cross
+    assert {m.processor._attention_backend for m in attentions} == {AttentionBackendName.FLASH_4_HUB}
+    # diffusers' flash_4_hub backend calls the installed package's kernel, never a Hub download.
+    assert _HUB_KERNELS_REGISTRY[AttentionBackendName.FLASH_4_HUB].kernel_fn is attention._flash4
+    # The operator's declared output (what compiled graphs plan with): the query's tokens and heads, the value's width.
+    with FakeTensorMode():
+        q, k, v = torch.empty(2, 96, 4, 16), torch.empty(2, 7, 4, 16), torch.empty(2, 7, 4, 16)
+        assert tuple(torch.ops.vidq.flash_attention_4(q, k, v, None, False).shape) == (2, 96, 4, 16)
+
+    # The kernel has no CPU build: a CPU stand-in (SDPA) shows the route end to end through compiled blocks.
+    calls: list[tuple[int, ...]] = []
+
+    def on_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, causal: bool) -> torch.Tensor:
+        calls.append(tuple(q.shape))
+        out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), scale=scale, is_causal=causal)
+        return out.transpose(1, 2).contiguous()
+
+    torch.library.register_kernel("vidq::flash_attention_4", "cpu", on_cpu)
+    policy = replace(policy_for("exact", device=CPU, compile_mode="on"), compile_vae=False)
+    compiled = VideoPipeline(pipe, model=TINY_WAN, device=CPU, dtype=torch.float32, policy=policy)
+    compiled.flash4 = True  # routed above, as the pipeline routes it on a GPU that has the kernel
+    torch._dynamo.utils.counters.clear()
+    result = compiled.generate(make_spec())
+    assert not torch._dynamo.utils.counters["graph_break"]  # the blocks stay whole graphs around the operator
+    assert len(calls) == len(attentions) * make_spec().steps  # each attention once per step: both passes batched
+    assert result.precision.attention == FLASH_ATTENTION_4
+    assert np.abs(result.frames.astype(np.int16) - reference.frames).max() <= 1
+
+
+def test_the_compiled_vae_decoder_decodes_as_the_eager_one_with_one_set_of_graphs_for_every_length() -> None:
+    pipe = build_pipeline(TINY_WAN, device=CPU, dtype=torch.float32, text_encoder=False)
+    eager = copy.deepcopy(pipe.vae)
+    policy = replace(eager_policy(), compile_vae=True)
+    compiled = VideoPipeline(pipe, model=TINY_WAN, device=CPU, dtype=torch.float32, policy=policy).pipe.vae
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    graphs = []
+    with torch.inference_mode():
+        for latent_frames in (4, 6, 3):  # 13, 21 and 9 frames
+            z = torch.randn(1, pipe.vae.config.z_dim, latent_frames, 8, 8, generator=torch.Generator().manual_seed(1))
+            got, want = compiled.decode(z, return_dict=False)[0], eager.decode(z, return_dict=False)[0]
+            assert got.shape == want.shape
+            assert torch.allclose(got, want, atol=1e-5)
+            graphs.append(counters["stats"]["unique_graphs"])
+    assert not counters["graph_break"]  # the whole decoder is one graph per call
+    # The first frames' caches differ in length, so a few graphs for the first video; none more for other lengths.
+    assert 0 < graphs[0] == graphs[1] == graphs[2] <= 6
 
 
 def test_warm_up_renders_each_shape_before_any_job_and_needs_no_text_encoder() -> None:

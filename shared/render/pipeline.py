@@ -35,6 +35,7 @@ from shared.render.text import (
     texts_of,
 )
 from shared.render.tiers import RenderedPrecision, TierPolicy, applied_table, eager_policy
+from shared.render.vae import compile_decoder
 from shared.spec import GenerationSpec
 
 log = logging.getLogger("vidq.render")
@@ -126,7 +127,7 @@ class VideoPipeline:
             self.pipe.vae.to(vae_dtype)
         if policy.compile_vae:
             _raise_recompile_limit()
-            _compile_decoder(self.pipe.vae)
+            compile_decoder(self.pipe.vae)
 
     def encode_texts(self, texts: list[str]) -> list[torch.Tensor]:
         """Encode with the pipeline's own text encoder, one text at a time as ``encode_prompt`` does."""
@@ -408,22 +409,6 @@ def _raise_recompile_limit() -> None:
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # its older name
     setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
-
-
-def _compile_decoder(vae: Any) -> None:
-    """Compile the VAE's decoder: its norms, activations, causal pads, cache copies and residual adds fuse into a
-    few kernels around cuDNN's convolutions. The VAE decodes a video one latent frame at a time through the decoder,
-    carrying a cache of the previous frames' features; the first few frames' caches differ in length, so a frame
-    size compiles a handful of graphs, the same for every video length: the decoder is handed each frame as its own
-    contiguous tensor (the VAE passes a slice of the whole video, whose strides depend on the video's length)."""
-    decoder = vae.decoder
-    compiled = torch.compile(decoder.forward, dynamic=False)
-
-    def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        out: torch.Tensor = compiled(x.contiguous(), *args, **kwargs)
-        return out
-
-    decoder.forward = forward
 
 
 def tokens_per_sample(pipe: Any, height: int, width: int, frames: int) -> int:

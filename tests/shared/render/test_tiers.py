@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.attention import SDPBackend
 
 from shared.config import Settings
-from shared.render import attention
+from shared.render import attention, vae
 from shared.render.attention import FLASH_ATTENTION_4, SDPA_PREFERENCE, flash4_unavailable, use_flash4
 from shared.render.pipeline import RenderResult, VideoPipeline
 from shared.render.registry import TINY_WAN, build_pipeline
@@ -198,6 +198,27 @@ def test_the_compiled_vae_decoder_decodes_as_the_eager_one_with_one_set_of_graph
     assert not counters["graph_break"]  # the whole decoder is one graph per call
     # The first frames' caches differ in length, so a few graphs for the first video; none more for other lengths.
     assert 0 < graphs[0] == graphs[1] == graphs[2] <= 6
+
+
+def test_a_vae_decoder_torch_cannot_compile_decodes_eagerly(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def untraceable(fn: object, **_options: object) -> object:
+        def run(*_args: object, **_kwargs: object) -> None:
+            raise torch._dynamo.exc.Unsupported("a construct this torch cannot trace")
+
+        return run
+
+    monkeypatch.setattr(vae.torch, "compile", untraceable)
+    pipe = build_pipeline(TINY_WAN, device=CPU, dtype=torch.float32, text_encoder=False)
+    eager = copy.deepcopy(pipe.vae)
+    vae.compile_decoder(pipe.vae)
+    z = torch.randn(1, pipe.vae.config.z_dim, 3, 8, 8)
+    with caplog.at_level(logging.WARNING, logger="vidq.render"), torch.inference_mode():
+        for _ in range(2):
+            assert torch.equal(pipe.vae.decode(z, return_dict=False)[0], eager.decode(z, return_dict=False)[0])
+    warnings = [r.getMessage() for r in caplog.records]
+    assert warnings.count("the VAE decoder cannot be compiled here; it decodes eagerly") == 1  # once, then eager
 
 
 def test_warm_up_renders_each_shape_before_any_job_and_needs_no_text_encoder() -> None:

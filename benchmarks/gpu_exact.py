@@ -74,8 +74,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--phases",
         default="headline,ablation",
-        help="comma-separated: headline (plain vs exact per shape), ablation (levers' shares at the first shape), "
-        "profile (the exact render's GPU time by kernel kind)",
+        help="comma-separated: attention (the attention kernels at every shape, first), headline (plain vs exact "
+        "per shape), ablation (levers' shares at the first shape, after its headline), profile (the exact render's "
+        "GPU time by kernel kind)",
     )
     parser.add_argument("--tag", default="", help="appended to the results' file names")
     parser.add_argument("--device", default="cuda")
@@ -303,11 +304,19 @@ class Bench:
         self.exact = self.copy_pipeline(policy_for("exact", device=self.device, compile_mode=self.args.compile))
         self.report["exact_policy"] = self.exact.policy.describe()
 
+    def attention(self, shape: str) -> dict[str, Any]:
+        """The attention kernels at ``shape`` (once per shape): the report's entry for the shape."""
+        spec = self.spec(shape)
+        entry: dict[str, Any] = self.report["shapes"].setdefault(
+            shape, {"tokens": tokens_per_sample(self.pipe, spec.height, spec.width, spec.num_frames)}
+        )
+        if "attention_kernels" not in entry:
+            entry["attention_kernels"] = attention_kernels(self.pipe, shape, self.device, self.dtype)
+        return entry
+
     def headline(self, shape: str) -> None:
         spec = self.spec(shape)
-        entry: dict[str, Any] = {"tokens": tokens_per_sample(self.pipe, spec.height, spec.width, spec.num_frames)}
-        self.report["shapes"][shape] = entry
-        entry["attention_kernels"] = attention_kernels(self.pipe, shape, self.device, self.dtype)
+        entry = self.attention(shape)
         entry["warm_up_s"] = warm_up(self.exact, [shape], guidance_scale=self.args.guidance)[shape]
         self.plain(spec)  # plain's own first call (cuDNN/cuBLAS choices), untimed
         plain_runs: list[dict[str, Any]] = []
@@ -589,14 +598,21 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:
             bench.fail("profile", exc)
         bench.write()
-    for shape in args.shapes if "headline" in phases else []:
+    for shape in args.shapes if "attention" in phases else []:
         try:
-            bench.headline(shape)
+            bench.attention(shape)
         except Exception as exc:
-            bench.fail(f"headline {shape}", exc)
+            bench.fail(f"attention {shape}", exc)
         bench.write()
-    if "ablation" in phases:
-        bench.ablation(args.shapes[0])
+    for index, shape in enumerate(args.shapes):
+        if "headline" in phases:
+            try:
+                bench.headline(shape)
+            except Exception as exc:
+                bench.fail(f"headline {shape}", exc)
+            bench.write()
+        if index == 0 and "ablation" in phases:  # its levers at the first shape, before the next shape's headline
+            bench.ablation(shape)
     bench.write()
     print(markdown(bench.report))
     return 1 if bench.report["errors"] else 0

@@ -97,7 +97,8 @@ RUN python3 -m pip list --format=freeze | grep -iE '^(torch|triton|nvidia-[a-z0-
 WORKDIR /app
 
 COPY pyproject.toml README.md ./
-RUN python3 -m pip --python /opt/venv/bin/python install --constraint /opt/base-torch.txt ".[worker]"
+# flash4: the exact tier's attention on Hopper/Blackwell (FlashAttention 4); other GPUs run SDPA's kernels.
+RUN python3 -m pip --python /opt/venv/bin/python install --constraint /opt/base-torch.txt ".[worker,flash4]"
 COPY shared ./shared
 COPY services ./services
 COPY tools ./tools

@@ -92,7 +92,7 @@ class Settings(BaseSettings):
     models_allowed: list[str] = Field(default_factory=lambda: ["tiny-wan", "wan2.1-1.3b-arch"])
     default_model: str = "tiny-wan"
 
-    # --- priority score (seed 4.1) ----------------------------------------------------------------------------
+    # --- priority score (docs/architecture.md) ------------------------------------------------------------------
     score_weight_complexity: float = 0.40
     score_weight_resolution: float = 0.35
     score_weight_duration: float = 0.25

@@ -1,4 +1,5 @@
-"""Messages that must follow a commit, in one place (invariant 2: enqueued iff committed).
+"""Messages that must follow a commit, in one place: a job is sent if and only if it is committed
+(docs/architecture.md, invariant 2).
 
 Code that changes a job registers the message in its unit of work (``send_job_after_commit``,
 ``send_webhook_after_commit``); nothing is sent before the transaction commits, nothing at all when it rolls back.

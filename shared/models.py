@@ -115,7 +115,7 @@ class Job(Base):
     webhook_url: Mapped[str | None] = mapped_column(Text)
     metadata_: Mapped[dict[str, Any]] = mapped_column("metadata", JSONB, default=dict)
 
-    # routing (seed 4.1)
+    # routing (shared/scoring.py)
     score: Mapped[float] = mapped_column(Float)
     score_complexity: Mapped[float] = mapped_column(Float)
     score_resolution: Mapped[float] = mapped_column(Float)

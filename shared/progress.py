@@ -1,8 +1,8 @@
 """Job progress over Redis pub/sub: workers publish, the API's progress streams (SSE) listen.
 
-Postgres stays the source of truth (DESIGN §2.1). A message is a hint: a step went by (shown as it is) or the job
-left ``running`` (the stream reads Postgres for the final state). A lost message costs latency, never the answer:
-a stream that hears nothing for ``events_resync_s`` reads Postgres anyway.
+Postgres stays the source of truth (docs/architecture.md, invariant 1). A message is a hint: a step went by (shown as
+it is) or the job left ``running`` (the stream reads Postgres for the final state). A lost message costs latency,
+never the answer: a stream that hears nothing for ``events_resync_s`` reads Postgres anyway.
 
 - Channel: ``{broker_key_prefix}vidq:progress:{job_id}``; the prefix keeps stacks (and test sessions) that share one
   Redis apart.
@@ -41,7 +41,7 @@ log = logging.getLogger("vidq.progress")
 # A stream that falls this far behind has its backlog replaced by one RESYNC (it reads Postgres instead): a
 # message only ever says what Postgres will say too, so nothing is lost but intermediate steps.
 QUEUE_SIZE = 64
-# Reconnect backoff of the hub (DESIGN §3: from 100 ms, ×2, at most 1 s, with jitter).
+# Reconnect backoff of the hub: from 100 ms, ×2, at most 1 s, with jitter (docs/architecture.md, "Retries").
 RECONNECT_FIRST_S = 0.1
 RECONNECT_MAX_S = 1.0
 

@@ -1,4 +1,4 @@
-"""The priority score (seed 4.1): ``score = w_c·C + w_r·R + w_d·D`` picks the class and the queue.
+"""The priority score (docs/architecture.md): ``score = w_c·C + w_r·R + w_d·D`` picks the class and the queue.
 
 C (prompt complexity) = min(1, nodes / node_norm) where the prompt's *node count* is a deterministic parse:
   nodes = words + 2·clauses + modifiers

@@ -1,4 +1,4 @@
-"""Load shedding at the door (invariant 10: load is shed, not absorbed).
+"""Load shedding at the door (docs/architecture.md, invariant 10: load is shed, not absorbed).
 
 At most ``limit`` requests are handled at once per process; the next ones wait up to ``queue_timeout_s`` for a
 slot and then get a fast 503 with ``Retry-After`` in the error envelope. The limit is sized with the database pool

@@ -1,4 +1,5 @@
-"""The built-in architectures, built from configs with seeded random weights (no download; DESIGN.md section 4).
+"""The built-in architectures, built from configs with seeded random weights: no download (docs/architecture.md,
+"Rendering").
 
 * ``build_tiny_wan``: a real ``WanPipeline`` from tiny configs (the sizes of diffusers' own Wan pipeline tests).
   It renders noise, not video; it exists so tests, CI and the CPU demo run the real pipeline code end to end in

@@ -1,7 +1,8 @@
 """Device and precision policy: which device and compute dtype a pipeline runs in, and how its weights are cast.
 
-Compute in bf16 on CUDA (fp16 where bf16 is missing), float32 on the CPU (DESIGN.md section 3, "GPU memory and
-precision"). The VAE stays in float32 in every case, as Wan's reference code and diffusers' Wan examples run it.
+Compute in bf16 on CUDA (fp16 where bf16 is missing), float32 on the CPU (docs/architecture.md, "Rendering"). A
+pipeline's VAE is built in float32, as Wan's reference code and diffusers' Wan examples run it; a precision tier may
+decode in bf16 (shared/render/tiers.py).
 """
 
 from __future__ import annotations

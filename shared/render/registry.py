@@ -1,6 +1,6 @@
 """The model registry: every diffusers pipeline vidq runs is built here, and kept warm once built.
 
-Three kinds of model name (docs: DESIGN.md section 4, "Models without the internet"):
+Three kinds of model name (docs/architecture.md, "Rendering"):
 
 * ``tiny-wan``: a real ``WanPipeline`` from tiny configs with seeded random weights. It renders noise, not
   video; it exists so tests, CI and the CPU demo run the real pipeline code end to end in well under a second.

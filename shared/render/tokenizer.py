@@ -1,7 +1,7 @@
 """The tokenizer of the built-in architectures: a fixed vocabulary, built in process (no download).
 
-Both ``tiny-wan`` and ``wan2.1-1.3b-arch`` use it (DESIGN.md section 4). The prewarmer needs the very same one:
-a prompt's embedding is only reusable when both sides tokenize it alike.
+Both ``tiny-wan`` and ``wan2.1-1.3b-arch`` use it (docs/architecture.md, "Rendering"). The prewarmer needs the very
+same one: a prompt's embedding is only reusable when both sides tokenize it alike.
 """
 
 from __future__ import annotations

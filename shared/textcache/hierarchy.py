@@ -4,7 +4,7 @@
 
 1. L1 (this process). A hit costs nothing.
 2. L2 (hot Redis). A hit is promoted to L1, and the prompts of the next ``forward_jobs`` queued jobs are pulled
-   from L2/L3 into L1 in the background (the seed's "3 neighbours").
+   from L2/L3 into L1 in the background (the next ``cache_forward_jobs`` queued jobs).
 3. L3 (warm Redis, compressed). A hit is promoted to L2 and L1.
 4. Nowhere: ``encode(texts)`` (the worker's own encoder, or a request to the prewarmer), written through to every
    tier.

@@ -167,8 +167,9 @@ class ModeChange:
 
 
 class HitRateMonitor:
-    """Cold-start compensation as the seed specifies it: a monitored tier below ``threshold`` for ``low_windows``
-    windows in a row → compensating; every monitored tier at or above it for ``recover_windows`` in a row → normal.
+    """Cold-start compensation (docs/architecture.md, "Prompt-embedding caches"): a monitored tier below
+    ``threshold`` for ``low_windows`` windows in a row → compensating; every monitored tier at or above it for
+    ``recover_windows`` in a row → normal.
 
     A monitored "tier" is ``overall`` (lookups served by any level: the default) or one level, ``l1``/``l2``/``l3``
     (the share of the lookups reaching that level that it serves). The levels' own rates are low in a healthy

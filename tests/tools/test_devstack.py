@@ -40,7 +40,7 @@ pytestmark = pytest.mark.integration
 ACCESS_KEY = "devstack-test"
 SECRET_KEY = "devstack-test-secret"
 BUCKET = "devstack-test"
-# This machine's services (DESIGN §5); the tests that reuse them skip where they do not answer.
+# The services a development machine runs itself; the tests that reuse them skip where they do not answer.
 LOCAL_POSTGRES = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 LOCAL_REDIS = "redis://127.0.0.1:6379/15"
 

@@ -65,8 +65,8 @@ from shared.render.tokenizer import SPECIAL_TOKENS, build_tokenizer
 from shared.textcache.factory import build_cache
 from shared.textcache.hierarchy import EmbeddingCache
 from shared.textcache.monitor import TIERS, ModeChange, TierCount, Window, read_windows
-from shared.textcache.queued import QueuedPrompts
 from shared.textcache.tiers import RedisTier
+from shared.textcache.upcoming import QueuedPrompts
 
 ROOT = Path(__file__).resolve().parent.parent
 REDIS = "redis://127.0.0.1:6379/12"

@@ -5,8 +5,10 @@ publish path) and one Redis round trip each; under a burst of submits that was t
 (benchmarks/results/api_load_*.md). Here the message is built by Celery itself (``app.amqp.as_task_v2``: task
 protocol 2, the headers and body every Celery worker reads) and wrapped exactly as kombu's Redis transport wraps it
 (JSON envelope, base64 body, ``delivery_info`` of the default exchange, ``delivery_tag``), then LPUSHed to the
-queue's list (with ``broker_key_prefix``) in one pipeline. tests/shared/test_broker.py checks the envelope against
-one kombu writes; every integration test's worker consumes these messages.
+queue's list (with ``broker_key_prefix``) in one pipeline. This module owns the wire format both ways: ``decode`` and
+``job_id_of`` read what is on a queue (the prewarmer and workers look ahead at queued jobs without taking them).
+tests/shared/test_broker.py checks both against messages kombu writes; every integration test's worker consumes
+these messages.
 """
 
 from __future__ import annotations
@@ -89,7 +91,15 @@ def publisher(celery: VidqCelery) -> Publisher:
 
 
 def decode(raw: bytes | str) -> dict[str, Any]:
-    """A stored message with its body decoded (for tests and debugging)."""
+    """A stored message (``envelope``'s, or one kombu wrote) with its body decoded."""
     message: dict[str, Any] = json.loads(raw)
     message["body"] = json.loads(base64.b64decode(message["body"]))
     return message
+
+
+def job_id_of(raw: bytes | str) -> uuid.UUID | None:
+    """The job id a stored task message carries (its body's first argument); None for anything else on the list."""
+    try:
+        return uuid.UUID(str(decode(raw)["body"][0][0]))
+    except (ValueError, KeyError, IndexError, TypeError):  # binascii and JSON errors are ValueErrors
+        return None

@@ -40,9 +40,9 @@ from shared.textcache.codec import pack
 from shared.textcache.factory import build_cache, control_client
 from shared.textcache.hierarchy import EmbeddingCache
 from shared.textcache.monitor import RATES, HitRateMonitor, mode_key, read_windows
-from shared.textcache.queued import QueuedPrompts, peek_job_ids, queued_prompts
 from shared.textcache.remote import EncodeRequest, reply, take_request
 from shared.textcache.tiers import TierDown
+from shared.textcache.upcoming import QueuedPrompts, peek_job_ids, queued_prompts
 from shared.tracing import stage_span
 
 log = logging.getLogger("vidq.prewarmer")

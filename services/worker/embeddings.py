@@ -20,8 +20,8 @@ from shared.render.precision import resolve_device
 from shared.render.text import EncoderIdentity, encoder_identity
 from shared.textcache.factory import build_cache, control_client
 from shared.textcache.hierarchy import EmbeddingCache
-from shared.textcache.queued import peek_job_ids, queued_prompts
 from shared.textcache.remote import RemoteEncoder
+from shared.textcache.upcoming import peek_job_ids, queued_prompts
 
 
 def text_rows(celery: VidqCelery, pipeline: VideoPipeline) -> TextRows:

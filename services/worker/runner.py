@@ -25,7 +25,7 @@ from sqlalchemy.orm import Session
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_delay, wait_random_exponential
 from urllib3.exceptions import HTTPError as Urllib3Error
 
-from services.worker.heartbeat import Lease
+from services.worker.lease import Lease
 from services.worker.metrics import BUSY, FAILURES, JOBS, QUEUE_WAIT, STAGE_SECONDS
 from shared.celery_app import VidqCelery
 from shared.config import Settings

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import base64
+import json
 import uuid
 
 import redis
 
-from shared.broker import TaskMessage, decode, publisher
+from shared.broker import TaskMessage, decode, envelope, job_id_of, publisher
 from shared.celery_app import make_celery
 from shared.queues import TASK_GENERATE, Queue
 
@@ -46,3 +48,20 @@ def test_one_round_trip_for_a_batch_in_order(settings, clean_state):
     raw = client.lrange(f"{settings.broker_key_prefix}{Queue.LOW.value}", 0, -1)
     # LPUSH + BRPOP: the first pushed is the first consumed (the right end of the list).
     assert [decode(m)["body"][0][0] for m in reversed(raw)] == [str(i) for i in ids]
+
+
+def test_the_job_id_is_read_back_from_kombus_messages_and_ours(settings, clean_state):
+    celery = make_celery(settings)
+    key = f"{settings.broker_key_prefix}{Queue.MEDIUM.value}"
+    client = redis.Redis.from_url(str(settings.broker_url), socket_timeout=5)
+    theirs, ours = uuid.uuid4(), uuid.uuid4()
+    celery.send_task(TASK_GENERATE, args=[str(theirs)], queue=Queue.MEDIUM.value)
+    publisher(celery).publish([TaskMessage(TASK_GENERATE, ours, Queue.MEDIUM.value)])
+    assert [job_id_of(m) for m in reversed(client.lrange(key, 0, -1))] == [theirs, ours]
+    # Anything else on the list is skipped, never an error: not JSON, not base64, another task's arguments.
+    assert job_id_of(b"not json") is None
+    assert job_id_of(b'{"body": "%%%"}') is None
+    other = decode(envelope(celery, TaskMessage(TASK_GENERATE, ours, Queue.MEDIUM.value), origin="test"))
+    other["body"][0] = []
+    body = base64.b64encode(json.dumps(other["body"]).encode()).decode()
+    assert job_id_of(json.dumps({**other, "body": body})) is None

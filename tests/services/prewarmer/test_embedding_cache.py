@@ -122,7 +122,7 @@ def test_a_failing_encoder_answers_the_worker_at_once_with_the_error(settings, c
 
 
 def test_a_prewarm_cycle_fills_what_l2_lacks_promotes_from_l3_and_needs_a_tier(settings, clean_state, encoder):
-    from shared.textcache.queued import QueuedPrompts
+    from shared.textcache.upcoming import QueuedPrompts
 
     jobs = [QueuedPrompts(uuid.uuid4(), TINY_WAN, (f"a {c} balloon in the sky", "blurry")) for c in ("red", "blue")]
     prewarmer = Prewarmer(settings, encoders={(TINY_WAN, "float32"): encoder}, queued=lambda n: jobs)

@@ -13,7 +13,7 @@ from shared.errors import JobCancelled, LeaseLost
 from shared.progress import ProgressPublisher
 from shared.states import JobStatus, renew_lease
 
-log = logging.getLogger("vidq.worker.heartbeat")
+log = logging.getLogger("vidq.worker.lease")
 
 
 class Lease:

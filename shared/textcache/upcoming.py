@@ -2,13 +2,11 @@
 
 The broker keeps each queue as a Redis list: the API pushes on the left (LPUSH), workers pop from the right
 (BRPOP), so the right end is the next job and the left end the newest. Each element is kombu's JSON envelope of a
-Celery protocol-2 message (shared/broker.py) whose body's first argument is the job id.
+Celery protocol-2 message whose body's first argument is the job id (shared/broker.py reads it).
 """
 
 from __future__ import annotations
 
-import base64
-import json
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,6 +15,7 @@ from typing import Literal
 import redis
 from sqlalchemy import select
 
+from shared.broker import job_id_of
 from shared.config import Settings
 from shared.db import session_scope
 from shared.models import Job
@@ -30,14 +29,6 @@ class QueuedPrompts:
     job_id: uuid.UUID
     model: str
     texts: tuple[str, ...]  # the prompt, and the negative prompt when guidance is on (as the pipeline encodes)
-
-
-def _job_id(raw: bytes | str) -> uuid.UUID | None:
-    try:
-        body = json.loads(base64.b64decode(json.loads(raw)["body"]))
-        return uuid.UUID(str(body[0][0]))
-    except (ValueError, KeyError, IndexError, TypeError):
-        return None  # not a message of ours: skipped
 
 
 def peek_job_ids(
@@ -59,7 +50,7 @@ def peek_job_ids(
             raw = list(reversed(client.lrange(f"{prefix}{queue}", -want, -1)))
         else:
             raw = client.lrange(f"{prefix}{queue}", 0, want - 1)
-        ids.extend(j for j in map(_job_id, raw) if j is not None)
+        ids.extend(j for j in map(job_id_of, raw) if j is not None)
     return ids[:limit]
 
 

@@ -3,7 +3,6 @@ store's connection pool (the hot paths); cancel is sync, on a session in the thr
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from typing import Annotated
 
@@ -11,14 +10,12 @@ from fastapi import APIRouter, Header, Query, Request, Response
 
 from services.api import jobs_service
 from services.api.deps import SessionDep, SettingsDep, TenantDep
-from services.api.metrics import RESULT_CACHE_HITS, SUBMITS
 from services.api.store import JobStore
-from shared.dispatch import after_transition_commit, send_committed
-from shared.models import Job
+from services.api.submission import after_submit, video_stored
+from shared.dispatch import after_transition_commit
 from shared.presenters import present_job
 from shared.schemas import ERROR_RESPONSES, JobCreate, JobOut, JobPage
 from shared.states import JobStatus, request_cancel
-from shared.storage import Storage
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=ERROR_RESPONSES)
 
@@ -33,31 +30,16 @@ async def submit_job(
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
 ) -> JobOut:
     store: JobStore = request.app.state.store
-    storage: Storage = request.app.state.storage
-
-    async def stored(key: str) -> bool:  # the result cache reuses a video only while it is stored
-        return await asyncio.wait_for(asyncio.to_thread(storage.exists, key), settings.result_cache_check_timeout_s)
-
     job, created = await jobs_service.submit(
-        store, settings, tenant=tenant, body=body, idempotency_key=idempotency_key, stored=stored
+        store,
+        settings,
+        tenant=tenant,
+        body=body,
+        idempotency_key=idempotency_key,
+        stored=video_stored(request.app.state.storage, settings),
     )  # committed: the row and its idempotency key
     after_submit(request, response, job, created=created, location=f"/v1/jobs/{job.id}")
     return present_job(job, settings=settings, storage=request.app.state.storage)
-
-
-def after_submit(request: Request, response: Response, job: Job, *, created: bool, location: str) -> None:
-    """What follows a committed submit, on /v1/jobs and /v1/videos alike: a new job's message and counts, or the
-    replay header for an idempotent repeat; and where the job lives."""
-    if created:
-        # The message follows the commit: the video queue for a queued job; for one served from the result cache
-        # (created succeeded) no render, only its webhook when it has a URL.
-        send_committed(request.app.state.celery, job)
-        SUBMITS.labels(priority_class=job.priority_class).inc()
-        if job.result_of is not None:
-            RESULT_CACHE_HITS.inc()
-    else:
-        response.headers["Idempotent-Replayed"] = "true"
-    response.headers["Location"] = location
 
 
 @router.get("", response_model=JobPage)

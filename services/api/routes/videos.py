@@ -16,14 +16,13 @@ from starlette.datastructures import UploadFile
 
 from services.api import jobs_service, videos_service
 from services.api.deps import Caller, SessionDep, SettingsDep, TenantDep
-from services.api.routes.jobs import after_submit
 from services.api.store import JobStore
+from services.api.submission import after_submit, video_stored
 from shared.errors import InvalidRequest, NotFound, UnsupportedMediaType
 from shared.models import ApiFlavour, Job
 from shared.openai_videos import OpenAIErrorBody, Video, VideoDeleted, VideoPage, job_id_of, present_video
 from shared.openai_videos import video_id as id_of_job
 from shared.schemas import JobCreate
-from shared.storage import Storage
 
 
 def _errors(*statuses: tuple[int | str, str]) -> dict[int | str, dict[str, Any]]:
@@ -117,11 +116,6 @@ async def create_video(
     (``extra_body``)."""
     body = videos_service.job_request(await _params(request))
     store: JobStore = request.app.state.store
-    storage: Storage = request.app.state.storage
-
-    async def stored(key: str) -> bool:  # the result cache reuses a video only while it is stored
-        return await asyncio.wait_for(asyncio.to_thread(storage.exists, key), settings.result_cache_check_timeout_s)
-
     try:
         job, created = await jobs_service.submit(
             store,
@@ -129,7 +123,7 @@ async def create_video(
             tenant=tenant,
             body=body,
             idempotency_key=idempotency_key,
-            stored=stored,
+            stored=video_stored(request.app.state.storage, settings),
             flavour=ApiFlavour.OPENAI,
         )
     except InvalidRequest as exc:  # an operator's cap: name the parameter it is about

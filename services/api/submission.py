@@ -1,0 +1,39 @@
+"""What both submit endpoints (``POST /v1/jobs`` and OpenAI's ``POST /v1/videos``) do around the service's submit:
+the result cache's check that a video is still stored, and what follows the commit."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+from fastapi import Request, Response
+
+from services.api.metrics import RESULT_CACHE_HITS, SUBMITS
+from shared.config import Settings
+from shared.dispatch import send_committed
+from shared.models import Job
+from shared.storage import Storage
+
+
+def video_stored(storage: Storage, settings: Settings) -> Callable[[str], Awaitable[bool]]:
+    """Whether the object ``key`` is stored: the result cache reuses a video only while it is (bounded in time)."""
+
+    async def stored(key: str) -> bool:
+        return await asyncio.wait_for(asyncio.to_thread(storage.exists, key), settings.result_cache_check_timeout_s)
+
+    return stored
+
+
+def after_submit(request: Request, response: Response, job: Job, *, created: bool, location: str) -> None:
+    """What follows a committed submit: a new job's message and counts, or the replay header for an idempotent
+    repeat; and where the job lives."""
+    if created:
+        # The message follows the commit: the video queue for a queued job; for one served from the result cache
+        # (created succeeded) no render, only its webhook when it has a URL.
+        send_committed(request.app.state.celery, job)
+        SUBMITS.labels(priority_class=job.priority_class).inc()
+        if job.result_of is not None:
+            RESULT_CACHE_HITS.inc()
+    else:
+        response.headers["Idempotent-Replayed"] = "true"
+    response.headers["Location"] = location

@@ -16,9 +16,6 @@ class VidqError(Exception):
         self.message = message
         self.details = details
 
-    def to_body(self) -> dict[str, Any]:
-        return {"error": {"code": self.code, "message": self.message, "details": self.details}}
-
 
 class InvalidRequest(VidqError):
     status_code = 422

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from services.api.error_handlers import error_body
 from shared import errors
 
 
@@ -13,7 +14,9 @@ from shared import errors
 )
 def test_worker_errors_keep_their_status_and_code(error: type[errors.VidqError], status: int, code: str) -> None:
     assert (error.status_code, error.code) == (status, code)
-    assert error("x").to_body() == {"error": {"code": code, "message": "x", "details": None}}
+    # As the API renders it (services/api/error_handlers.py): the error's own status and code in the envelope.
+    rendered = error_body("/v1/jobs/x", error.status_code, error.code, error("x").message)
+    assert rendered == (status, {"error": {"code": code, "message": "x", "details": None}})
 
 
 def test_every_vidq_error_subclass_names_a_code_of_its_own() -> None:

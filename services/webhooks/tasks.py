@@ -26,6 +26,7 @@ from shared.models import Job, Tenant, WebhookDelivery
 from shared.queues import TASK_DELIVER_WEBHOOK
 from shared.states import JobStatus
 from shared.tracing import stage_span
+from shared.webhooks.deliveries import latest_attempt
 from shared.webhooks.events import event_body, event_type
 from shared.webhooks.schedule import message_id, next_delay_s
 from shared.webhooks.signing import sign
@@ -66,19 +67,13 @@ def deliver_webhook(self: Task, job_id: str) -> str:
         if not job.webhook_url or not JobStatus(job.status).is_terminal():
             return "nothing_to_send"
         kind = event_type(job)  # job.* or video.*, by the API that created the job
+        # Due by the database's clock, as the sweeper reads it.
         latest = session.execute(
-            select(WebhookDelivery.attempt, WebhookDelivery.next_attempt_at <= func.now())
-            .where(
-                WebhookDelivery.job_id == jid,
-                WebhookDelivery.event_type == kind,
-                ~WebhookDelivery.superseded,
-            )
-            .order_by(WebhookDelivery.attempt.desc())
-            .limit(1)
+            latest_attempt(jid, kind).add_columns(WebhookDelivery.next_attempt_at <= func.now())
         ).first()
         if latest is not None and not latest[1]:
             return "not_due"  # delivered, given up, or its retry is not due yet: the sweeper hands it over then
-        attempt = 1 if latest is None else latest[0] + 1
+        attempt = 1 if latest is None else latest[0].attempt + 1
         payload = event_body(job, settings=settings, storage=self.app.storage)
         url = job.webhook_url
     # 2. One guarded POST, outside any transaction (it may take webhook_timeout_s); a span of the job's trace.

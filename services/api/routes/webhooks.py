@@ -16,6 +16,7 @@ from shared.errors import Conflict, InvalidRequest
 from shared.models import Job, WebhookDelivery
 from shared.schemas import ERROR_RESPONSES, RedeliveryOut, WebhookDeliveryOut, WebhookDeliveryPage
 from shared.states import JobStatus
+from shared.webhooks.deliveries import latest_attempt
 from shared.webhooks.events import event_type as webhook_event_type
 from shared.webhooks.schedule import message_id
 
@@ -83,17 +84,7 @@ def redeliver(job_id: uuid.UUID, request: Request, session: SessionDep, tenant: 
     if not job.webhook_url:
         raise Conflict("the job has no webhook URL")
     event_type = webhook_event_type(job)
-    latest = session.execute(
-        select(WebhookDelivery)
-        .where(
-            WebhookDelivery.job_id == job.id,
-            WebhookDelivery.event_type == event_type,
-            ~WebhookDelivery.superseded,
-        )
-        .order_by(WebhookDelivery.attempt.desc())
-        .limit(1)
-        .with_for_update()
-    ).scalar_one_or_none()
+    latest = session.execute(latest_attempt(job.id, event_type).with_for_update()).scalar_one_or_none()
     if latest is not None:
         # Due now: the task makes the next attempt. Leased as handed over, so the sweeper hands it over again
         # only if this message is lost. With no attempt on record yet, the task's first one is due anyway.

@@ -34,7 +34,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from shared.config import Settings
 from shared.queues import Queue
-from shared.render.precision import dtype_from_name, dtype_name, resolve_device
+from shared.render.precision import compute_dtype, dtype_from_name, dtype_name, resolve_device
 from shared.render.text import EncoderIdentity, TextEncoder, build_text_encoder
 from shared.textcache.codec import pack
 from shared.textcache.factory import build_cache, control_client
@@ -83,11 +83,7 @@ def workers_dtype(settings: Settings) -> torch.dtype:
     if settings.prewarmer_dtype is not None:
         return dtype_from_name(settings.prewarmer_dtype)
     wanted = settings.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if torch.device(wanted).type != "cuda":
-        return torch.float32
-    if torch.cuda.is_available():
-        return resolve_device(wanted, cuda_dtype=settings.cuda_dtype)[1]  # fp16 where bf16 is missing
-    return dtype_from_name(settings.cuda_dtype)
+    return compute_dtype(torch.device(wanted), cuda_dtype=settings.cuda_dtype)
 
 
 def load_encoders(settings: Settings) -> dict[tuple[str, str], TextEncoder]:

@@ -25,13 +25,21 @@ def resolve_device(pref: str | None, *, cuda_dtype: str) -> tuple[torch.device, 
     if pref is None:
         pref = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(pref)
-    if device.type != "cuda":
-        return device, torch.float32  # CPU half precision is slow and poorly covered by kernels
-    if not torch.cuda.is_available():
+    if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"device {pref!r} was asked for but CUDA is not available")
-    if cuda_dtype == "bfloat16" and torch.cuda.is_bf16_supported():
-        return device, torch.bfloat16
-    return device, torch.float16
+    return device, compute_dtype(device, cuda_dtype=cuda_dtype)
+
+
+def compute_dtype(device: torch.device, *, cuda_dtype: str) -> torch.dtype:
+    """The dtype a pipeline on ``device`` computes in: the one rule for workers and for the prewarmer that encodes
+    for them (their embeddings are cached under it: if the two differed, no lookup would ever hit). float32 off
+    CUDA (CPU half precision is slow and poorly covered by kernels); on CUDA ``cuda_dtype``, fp16 where this process
+    sees a GPU without bf16 (a GPU it cannot see, as for a prewarmer on a CPU node, is taken to have it)."""
+    if device.type != "cuda":
+        return torch.float32
+    if cuda_dtype == "bfloat16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        return torch.float16
+    return dtype_from_name(cuda_dtype)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -47,7 +47,7 @@ import transformers
 from diffusers import WanPipeline
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from shared.render.attention import FLASH_ATTENTION_4, SDPA_PREFERENCE, flash4_unavailable, use_flash4
+from shared.render.attention import FLASH_ATTENTION_4, SDPA_PREFERENCE, flash4_unavailable, install_flash4
 from shared.render.pipeline import RenderResult, VideoPipeline, _to_uint8, tokens_per_sample
 from shared.render.precision import dtype_name, resolve_device
 from shared.render.registry import WAN21_13B_ARCH, build_pipeline
@@ -140,7 +140,7 @@ def attention_kernels(pipe: Any, shape: str, device: torch.device, dtype: torch.
     reference = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh).transpose(1, 2)
     kernels: dict[str, Callable[[], torch.Tensor]] = {}
     if flash4_unavailable(device, head_dim=head_dim, dtype=dtype) is None:
-        use_flash4(torch.nn.Module())  # defines the operator; routes nothing
+        install_flash4()
         kernels[FLASH_ATTENTION_4] = lambda: torch.ops.vidq.flash_attention_4(q, k, v, None, False)
     for name in ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION"):
         kernels[name] = functools.partial(sdpa_with, getattr(SDPBackend, name), qh, kh, vh)

@@ -1,5 +1,5 @@
-"""What both submit endpoints (``POST /v1/jobs`` and OpenAI's ``POST /v1/videos``) do around the service's submit:
-the result cache's check that a video is still stored, and what follows the commit."""
+"""What both submit endpoints (``POST /v1/jobs`` and OpenAI's ``POST /v1/videos``) do: the service's submit, with the
+result cache's check that a video is still stored, then what follows the commit."""
 
 from __future__ import annotations
 
@@ -8,11 +8,40 @@ from collections.abc import Awaitable, Callable
 
 from fastapi import Request, Response
 
+from services.api import jobs_service
+from services.api.deps import Caller
 from services.api.metrics import RESULT_CACHE_HITS, SUBMITS
 from shared.config import Settings
 from shared.dispatch import send_committed
-from shared.models import Job
+from shared.models import ApiFlavour, Job
+from shared.schemas import JobCreate
 from shared.storage import Storage
+
+
+async def submit(
+    request: Request,
+    response: Response,
+    settings: Settings,
+    *,
+    tenant: Caller,
+    body: JobCreate,
+    idempotency_key: str | None,
+    location: Callable[[Job], str],
+    flavour: ApiFlavour = ApiFlavour.VIDQ,
+) -> Job:
+    """The job, committed (the row and its idempotency key), its message sent and ``Location`` set to
+    ``location(job)``."""
+    job, created = await jobs_service.submit(
+        request.app.state.store,
+        settings,
+        tenant=tenant,
+        body=body,
+        idempotency_key=idempotency_key,
+        stored=video_stored(request.app.state.storage, settings),
+        flavour=flavour,
+    )
+    after_submit(request, response, job, created=created, location=location(job))
+    return job
 
 
 def video_stored(storage: Storage, settings: Settings) -> Callable[[str], Awaitable[bool]]:

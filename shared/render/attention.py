@@ -59,7 +59,7 @@ def use_flash4(transformer: torch.nn.Module) -> int:
     (0: the model's processors do not go through diffusers' dispatcher)."""
     from diffusers.models.attention_dispatch import AttentionBackendName
 
-    _install_kernel()
+    install_flash4()
     routed = 0
     for module in transformer.modules():
         processor = getattr(module, "processor", None)
@@ -70,10 +70,10 @@ def use_flash4(transformer: torch.nn.Module) -> int:
 
 
 @functools.cache
-def _install_kernel() -> None:
-    """Define ``torch.ops.vidq.flash_attention_4`` and put it where diffusers' ``flash_4_hub`` backend looks for its
-    Hub download. torch.compile cannot trace into the CuTe DSL's Python, so the kernel is an operator with a declared
-    output shape, which compiled graphs call as it is."""
+def install_flash4() -> None:
+    """Define ``torch.ops.vidq.flash_attention_4`` (once per process) and put it where diffusers' ``flash_4_hub``
+    backend looks for its Hub download. torch.compile cannot trace into the CuTe DSL's Python, so the kernel is an
+    operator with a declared output shape, which compiled graphs call as it is."""
     from diffusers.models.attention_dispatch import _HUB_KERNELS_REGISTRY, AttentionBackendName
 
     schema = "(Tensor q, Tensor k, Tensor v, float? softmax_scale, bool causal) -> Tensor"

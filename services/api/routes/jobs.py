@@ -8,10 +8,8 @@ from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Request, Response
 
-from services.api import jobs_service
+from services.api import jobs_service, submission
 from services.api.deps import SessionDep, SettingsDep, TenantDep
-from services.api.store import JobStore
-from services.api.submission import after_submit, video_stored
 from shared.dispatch import after_transition_commit
 from shared.presenters import present_job
 from shared.schemas import ERROR_RESPONSES, JobCreate, JobOut, JobPage
@@ -29,16 +27,15 @@ async def submit_job(
     tenant: TenantDep,
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
 ) -> JobOut:
-    store: JobStore = request.app.state.store
-    job, created = await jobs_service.submit(
-        store,
+    job = await submission.submit(
+        request,
+        response,
         settings,
         tenant=tenant,
         body=body,
         idempotency_key=idempotency_key,
-        stored=video_stored(request.app.state.storage, settings),
-    )  # committed: the row and its idempotency key
-    after_submit(request, response, job, created=created, location=f"/v1/jobs/{job.id}")
+        location=lambda job: f"/v1/jobs/{job.id}",
+    )
     return present_job(job, settings=settings, storage=request.app.state.storage)
 
 

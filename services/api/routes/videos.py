@@ -14,10 +14,8 @@ from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from starlette.datastructures import UploadFile
 
-from services.api import jobs_service, videos_service
+from services.api import jobs_service, submission, videos_service
 from services.api.deps import Caller, SessionDep, SettingsDep, TenantDep
-from services.api.store import JobStore
-from services.api.submission import after_submit, video_stored
 from shared.errors import InvalidRequest, NotFound, UnsupportedMediaType
 from shared.models import ApiFlavour, Job
 from shared.openai_videos import OpenAIErrorBody, Video, VideoDeleted, VideoPage, job_id_of, present_video
@@ -115,20 +113,19 @@ async def create_video(
     guidance_scale, negative_prompt, fps, precision, webhook_url, metadata, cache) come as extra fields
     (``extra_body``)."""
     body = videos_service.job_request(await _params(request))
-    store: JobStore = request.app.state.store
     try:
-        job, created = await jobs_service.submit(
-            store,
+        job = await submission.submit(
+            request,
+            response,
             settings,
             tenant=tenant,
             body=body,
             idempotency_key=idempotency_key,
-            stored=video_stored(request.app.state.storage, settings),
+            location=lambda job: f"/v1/videos/{id_of_job(job.id)}",
             flavour=ApiFlavour.OPENAI,
         )
     except InvalidRequest as exc:  # an operator's cap: name the parameter it is about
         raise videos_service.param_of_cap(exc) from None
-    after_submit(request, response, job, created=created, location=f"/v1/videos/{id_of_job(job.id)}")
     return present_video(job)
 
 

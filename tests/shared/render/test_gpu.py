@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shared.render.attention import SDPA_PREFERENCE, flash4_unavailable, use_flash4
+from shared.render.attention import SDPA_PREFERENCE, flash4_unavailable, install_flash4
 from shared.render.pipeline import VideoPipeline
 from shared.render.precision import resolve_device
 from shared.render.registry import TINY_WAN, build_pipeline
@@ -99,7 +99,7 @@ def test_flash_attention_4_computes_what_sdpa_computes() -> None:
     reason = flash4_unavailable(device, head_dim=128, dtype=torch.bfloat16)
     if reason is not None:
         pytest.skip(f"FlashAttention 4 cannot run here: {reason}")
-    use_flash4(torch.nn.Module())  # defines the operator
+    install_flash4()
     generator = torch.Generator(device=device).manual_seed(0)
     # Wan 2.1 1.3B's heads (12 × 128), a batch of two as classifier-free guidance runs them, self and cross.
     q = torch.randn((2, 4096, 12, 128), device=device, dtype=torch.bfloat16, generator=generator)

@@ -58,7 +58,7 @@ import torch
 from prometheus_client import REGISTRY
 
 from services.prewarmer.service import Prewarmer
-from shared.config import Settings
+from shared.infra.config import Settings
 from shared.render.precision import dtype_name
 from shared.render.text import MAX_SEQUENCE_LENGTH, EncoderIdentity, TextEncoder, build_text_encoder, pad, texts_of
 from shared.render.tokenizer import SPECIAL_TOKENS, build_tokenizer

@@ -30,14 +30,14 @@ WITH g AS (
   FROM generate_series(%(lo)s::bigint, %(hi)s::bigint - 1) AS i
 )
 INSERT INTO jobs (id, tenant_id, status, spec, duration_s, webhook_url, metadata, score, score_complexity,
-  score_resolution, score_duration, priority_class, queue, attempt, max_attempts, worker_id, lease_expires_at,
+  score_resolution, score_duration, priority_class, attempt, max_attempts, worker_id, lease_expires_at,
   cancel_requested, progress_step, progress_total, created_at, enqueued_at, started_at, finished_at, error_code,
   error_message, output_key, poster_key, output_bytes, output_sha256, output_frames, timings)
 SELECT gen_random_uuid(), tenant, st,
   jsonb_build_object('model', 'wan2.1-1.3b', 'prompt', 'a small red boat on a calm lake at dawn, take ' || i,
     'negative_prompt', '', 'width', 832, 'height', 480, 'num_frames', 33, 'fps', 16, 'steps', 20,
     'guidance_scale', 5.0, 'seed', i),
-  2.0, CASE WHEN i %% 3 = 0 THEN 'https://hooks.example.com/vidq' END, '{}', 0.6, 0.3, 0.9, 0.5, cls, 'video.' || cls,
+  2.0, CASE WHEN i %% 3 = 0 THEN 'https://hooks.example.com/vidq' END, '{}', 0.6, 0.3, 0.9, 0.5, cls,
   CASE WHEN st = 'queued' THEN 0 ELSE 1 END, 3,
   CASE WHEN st = 'running' THEN 'gpu-' || i END,
   CASE WHEN st = 'running' THEN now() + interval '1 hour' END,

@@ -9,7 +9,7 @@ It makes a database of its own on the local Postgres (vidq_bench_<hex>; dropped 
             status-filtered page, cursor page at depth ``--depth``; open loop at ``--rate`` req/s for
             ``--seconds`` (request i is scheduled at
             t0 + i/rate and its latency counts from then, so falling behind is charged for its queue)
-  before    the same cursor page with the OR cursor this replaced; the old ``_webhooks_due`` (a scan of finished
+  before    the same cursor page with the OR cursor this replaced; the old ``webhooks_due`` (a scan of finished
             jobs for a missing delivery row) beside today's
   sweeper   ``Sweeper.sweep_once()`` with nothing due, ``--cycles`` times in a row
   presign   200 URLs (a page of 100 succeeded jobs): signing each against the memoised ``Storage.presign``
@@ -38,16 +38,17 @@ from sqlalchemy import and_, create_engine, exists, func, or_, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from benchmarks.db_data import QUEUED, RUNNING, capture_sql, explain, fill, plan_line
-from services.api.jobs_service import decode_cursor, encode_cursor
+from services.api.jobs.service import decode_cursor, encode_cursor
 from services.api.store import list_query
-from services.sweeper.sweeper import Sweeper, _webhooks_due
-from shared.celery_app import make_celery
-from shared.config import Settings
-from shared.db import dispose_engines
-from shared.migrate import upgrade
+from services.sweeper.sweeper import Sweeper
+from shared.infra.config import Settings
+from shared.infra.db import dispose_engines
+from shared.infra.migrate import upgrade
+from shared.infra.storage import Storage
+from shared.jobs.repository import webhooks_due
+from shared.jobs.status import TERMINAL, JobStatus
+from shared.messaging.celery_app import make_celery
 from shared.models import Job, WebhookDelivery
-from shared.states import TERMINAL, JobStatus
-from shared.storage import Storage
 
 SERVER = "postgresql://postgres@127.0.0.1:5432/postgres"
 
@@ -68,7 +69,7 @@ def list_jobs_or_cursor(
     return list(session.execute(stmt).scalars())
 
 
-def webhooks_due_scan(session: Session, *, now: datetime, grace_s: float) -> list[Job]:
+def webhooks_due_scan(session: Session, *, now: datetime, grace_s: float, limit: int) -> list[Job]:
     return list(
         session.execute(
             select(Job)
@@ -79,7 +80,7 @@ def webhooks_due_scan(session: Session, *, now: datetime, grace_s: float) -> lis
                 Job.finished_at > now - timedelta(days=1),
                 ~exists().where(WebhookDelivery.job_id == Job.id),
             )
-            .limit(100)
+            .limit(limit)
         ).scalars()
     )
 
@@ -257,12 +258,12 @@ def sweeper_lines(settings: Settings, sessions: sessionmaker[Session], *, cycles
         def call(k: int) -> object:
             with sessions.begin() as session:
                 now = session.execute(select(func.now())).scalar_one()
-                return find(session, now=now, grace_s=settings.webhook_resend_grace_s)
+                return find(session, now=now, grace_s=settings.webhook_resend_grace_s, limit=100)
 
         return call
 
     new, old = (
-        summary(closed_loop(due_now(_webhooks_due), runs=20)),
+        summary(closed_loop(due_now(webhooks_due), runs=20)),
         summary(closed_loop(due_now(webhooks_due_scan), runs=10)),
     )
     lines += [

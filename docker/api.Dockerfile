@@ -24,7 +24,7 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 RUN pip install .
 
-# The code. Installed in editable mode ON PURPOSE: shared/migrate.py finds Alembic's migrations/ beside the
+# The code. Installed in editable mode ON PURPOSE: shared/infra/migrate.py finds Alembic's migrations/ beside the
 # packages (shared/../migrations), which a plain wheel install does not carry. The tree stays at /app in the
 # runtime stage, at the same path, so the venv's import hook keeps pointing at it.
 COPY shared ./shared

@@ -37,7 +37,7 @@ COPY shared ./shared
 COPY services ./services
 COPY tools ./tools
 COPY migrations ./migrations
-# Editable ON PURPOSE: shared/migrate.py finds migrations/ beside the packages, which a wheel does not carry;
+# Editable ON PURPOSE: shared/infra/migrate.py finds migrations/ beside the packages, which a wheel does not carry;
 # /app is copied to the same path in the runtime stage.
 RUN pip install --no-deps -e . \
     && python -c "import torch; assert torch.version.cuda is None, 'expected the CPU build of torch'" \

@@ -5,7 +5,7 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import create_engine, pool
 
-from shared.config import get_settings
+from shared.infra.config import get_settings
 from shared.models import Base
 
 config = context.config

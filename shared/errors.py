@@ -22,6 +22,16 @@ class InvalidRequest(VidqError):
     code = "invalid_request"
 
 
+class CapExceeded(InvalidRequest):
+    """A request over the operator's caps (``JobCreate.to_spec``). ``fields``: the request field each problem is
+    about (None for a combination of fields), in the order of the message, for an API that names its parameters
+    differently."""
+
+    def __init__(self, message: str, *, details: Any = None, fields: list[str | None]) -> None:
+        super().__init__(message, details=details)
+        self.fields = fields
+
+
 class UnsupportedMediaType(VidqError):
     status_code = 415
     code = "unsupported_media_type"

@@ -23,6 +23,8 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB, UUID
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from shared.queues import PriorityClass
+
 
 class Base(DeclarativeBase):
     pass
@@ -80,11 +82,11 @@ class Job(Base):
         ),
         # Sweeper, sent long ago and never claimed (lost message).
         Index("ix_jobs_queued_sent", "enqueued_at", postgresql_where=text("status = 'queued'")),
-        # Sweeper, aging: only what can still move up a class ('video.high' is shared.queues.Queue.HIGH).
+        # Sweeper, aging: only what can still move up a class ('high' is shared.queues.PriorityClass.HIGH).
         Index(
             "ix_jobs_queued_agable",
             "enqueued_at",
-            postgresql_where=text("status = 'queued' AND queue <> 'video.high'"),
+            postgresql_where=text("status = 'queued' AND priority_class <> 'high'"),
         ),
         # Sweeper, webhooks never attempted: holds only finished jobs whose first attempt is not on record yet.
         Index(
@@ -115,13 +117,14 @@ class Job(Base):
     webhook_url: Mapped[str | None] = mapped_column(Text)
     metadata_: Mapped[dict[str, Any]] = mapped_column("metadata", JSONB, default=dict)
 
-    # routing (shared/scoring.py)
+    # routing (shared/jobs/scoring.py)
     score: Mapped[float] = mapped_column(Float)
     score_complexity: Mapped[float] = mapped_column(Float)
     score_resolution: Mapped[float] = mapped_column(Float)
     score_duration: Mapped[float] = mapped_column(Float)
+    # The job's class: set by its score at submit, moved up only by aging (the sweeper, in its own transaction).
+    # It alone decides the queue a message of the job goes to (``queue``).
     priority_class: Mapped[str] = mapped_column(String(8))
-    queue: Mapped[str] = mapped_column(String(32))  # where the last message went (aging may promote it)
 
     # execution: attempt is the fencing token; lease_expires_at is the heartbeat deadline
     attempt: Mapped[int] = mapped_column(Integer, default=0)
@@ -162,13 +165,18 @@ class Job(Base):
     # DELETE /v1/videos/{id}: the job answers 404 and leaves every list from then on (its S3 objects stay).
     deleted_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
-    # The W3C traceparent of the request that created the job (shared/tracing.py); every later message of the job
+    # The W3C traceparent of the request that created the job (shared/infra/tracing.py); every later message of the job
     # continues that trace. Null when tracing was off (and for jobs made before migration 0006).
     traceparent: Mapped[str | None] = mapped_column(String(55))
 
+    @property
+    def queue(self) -> str:
+        """The video queue of the job's class, where its next message goes."""
+        return PriorityClass(self.priority_class).queue.value
+
 
 class JobTransition(Base):
-    """Audit log: one row per state change (built by shared.states only: its transitions, and the row of a job
+    """Audit log: one row per state change (built by shared.jobs.states only: its transitions, and the row of a job
     created succeeded from the result cache, which the API's async store inserts)."""
 
     __tablename__ = "job_transitions"

@@ -1,7 +1,7 @@
 """A job's generation parameters, defined once.
 
 ``GenerationSpec`` is what a worker needs to render one video; it is stored with the job (``jobs.spec``) and the
-API's job body extends it (shared/schemas.py ``JobOut``). Every field is resolved at submit except ``precision``,
+API's job body extends it (shared/jobs/schemas.py ``JobOut``). Every field is resolved at submit except ``precision``,
 which a job may leave to the worker (``None``: the worker's ``VIDQ_WORKER_PRECISION``). The request (``JobCreate``)
 builds its optional fields from the same annotated types below, so each rule of the pipeline (H, W multiples of 16;
 frames 4k+1; steps ≥ 1; precision one of ``PRECISIONS``; …) is written once. Caps that an operator sets

@@ -94,16 +94,16 @@ def stack_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, st
         "VIDQ_WORKER_COMPILE_CACHE_DIR": str(base / "compile"),
     }
     os.environ.update(env)
-    from shared.config import get_settings
+    from shared.infra.config import get_settings
 
     get_settings.cache_clear()
-    from shared.migrate import upgrade
+    from shared.infra.migrate import upgrade
 
     upgrade(get_settings())
     yield env
     import redis
 
-    from shared.db import dispose_engines
+    from shared.infra.db import dispose_engines
 
     dispose_engines()
     _drop_database(pg, db_name)
@@ -152,7 +152,7 @@ def _delete_broker_keys(broker_url: str, prefix: str) -> int:
 
 @pytest.fixture(scope="session")
 def settings(stack_env: dict[str, str]):  # type: ignore[no-untyped-def]
-    from shared.config import get_settings
+    from shared.infra.config import get_settings
 
     return get_settings()
 
@@ -162,7 +162,7 @@ def clean_state(settings) -> Iterator[None]:  # type: ignore[no-untyped-def]
     """Empty tables and this session's queues before a test that counts rows or messages."""
     from sqlalchemy import text
 
-    from shared.db import get_engine
+    from shared.infra.db import get_engine
 
     with get_engine(settings).begin() as conn:
         conn.execute(

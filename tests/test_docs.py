@@ -28,6 +28,32 @@ def test_every_path_the_readme_architecture_section_names_exists() -> None:
     assert checked > 20  # the table was found and read
 
 
+def test_the_readme_architecture_tree_is_the_tree() -> None:
+    """Every folder and file the tree drawing names exists where it says (a line indented under ``shared/`` names
+    what is inside shared/), and every package of shared/ and services/ is drawn."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("\n## Architecture\n", 1)[1].split("\n## ", 1)[0]
+    drawing = section.split("```\n", 2)[1]
+    named: set[Path] = set()
+    parent = ROOT
+    for line in drawing.splitlines():
+        if not line.strip() or line.startswith(" " * 10):  # a continued description
+            continue
+        indented = line.startswith("  ")
+        words = re.split(r"\s{2,}", line.strip(), maxsplit=1)[0]  # the names, before the description
+        base = parent if indented else ROOT
+        for name in (w.strip(",") for w in words.split()):
+            path = base / name.rstrip("/")
+            assert path.exists(), f"README's Architecture draws {path.relative_to(ROOT)}, which is not in the tree"
+            named.add(path)
+        if not indented:
+            parent = ROOT / words.rstrip("/") if words.endswith("/") else ROOT
+    for top in ("shared", "services"):
+        for package in (ROOT / top).iterdir():
+            if package.is_dir() and (package / "__init__.py").exists():
+                assert package in named, f"README's Architecture does not draw {package.relative_to(ROOT)}/"
+
+
 def test_the_code_cites_only_documents_in_the_repository() -> None:
     invariants = {int(n) for n in re.findall(r"^(\d+)\. \*\*", ARCHITECTURE, flags=re.MULTILINE)}
     assert invariants == set(range(1, 11))

@@ -9,7 +9,7 @@ A list page costs O(page) and a sweeper step O(work due), never O(table):
   cursor being a row comparison on (created_at, id);
 - each sweeper step reads a partial index that holds only the rows it can act on (running; queued and never sent;
   queued and sent; queued below the high class; finished with a webhook whose first attempt is not on record);
-- ``jobs.webhook_pending_since`` is the column behind the last one: shared/states.py sets it in the UPDATE that
+- ``jobs.webhook_pending_since`` is the column behind the last one: shared/jobs/states.py sets it in the UPDATE that
   finishes a job with a webhook URL, services/webhooks/tasks.py clears it with the first delivery attempt.
 - ix_jobs_status_created served none of these and goes; ix_jobs_tenant_created is replaced by its DESC twin.
 

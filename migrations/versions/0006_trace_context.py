@@ -5,7 +5,7 @@ Revises: 0005
 Create Date: 2026-12-01 01:00:00.000000
 
 - ``jobs.traceparent``: the W3C ``traceparent`` (``00-<trace id>-<span id>-<flags>``, 55 characters) of the request
-  that created the job, written with the row when tracing is on (shared/tracing.py). The sweeper's re-sends, a
+  that created the job, written with the row when tracing is on (shared/infra/tracing.py). The sweeper's re-sends, a
   retry's new message and every webhook hand-over start their spans from it, so all attempts of a job and its
   webhook deliveries are one trace. Null when tracing was off, and for jobs made before this revision.
 

@@ -19,7 +19,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from services.api.error_handlers import error_body
 from services.api.metrics import ERRORS, INFLIGHT, SHED
-from shared.config import Settings
+from shared.infra.config import Settings
 
 # Probes, metrics and operator endpoints are wanted most under load; the console's files are a few static reads (its
 # API calls are shed like any other, and the page shows the 503), so a loaded API still serves the page.

@@ -9,20 +9,26 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from services.api import health
+from services.api.admin import routes as admin
 from services.api.admission import AdmissionLimit, admission_kwargs
+from services.api.console import routes as console
 from services.api.deps import KeyCache
 from services.api.error_handlers import install_error_handlers
+from services.api.jobs import events
+from services.api.jobs import routes as jobs
 from services.api.metrics import RequestTiming
-from services.api.routes import admin, console, events, health, jobs, videos, webhooks
 from services.api.store import JobStore
+from services.api.videos import routes as videos
+from services.api.webhooks import routes as webhooks
 from services.sweeper.sweeper import Sweeper
-from shared.celery_app import make_celery
-from shared.config import Settings, get_settings
-from shared.db import get_engine, session_factory
-from shared.logs import configure_logging
-from shared.progress import ProgressHub
-from shared.storage import Storage
-from shared.tracing import setup_tracing
+from shared.infra.config import Settings, get_settings
+from shared.infra.db import get_engine, session_factory
+from shared.infra.logs import configure_logging
+from shared.infra.storage import Storage
+from shared.infra.tracing import setup_tracing
+from shared.messaging.celery_app import make_celery
+from shared.messaging.progress import ProgressHub
 
 log = logging.getLogger("vidq.api")
 

@@ -16,9 +16,9 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
-from shared.config import Settings
-from shared.db import session_scope
 from shared.errors import Unauthorized
+from shared.infra.config import Settings
+from shared.infra.db import session_scope
 from shared.tenants import hash_key, tenant_for_key_hash
 
 

@@ -4,7 +4,7 @@ dependencies that are down (503 + Retry-After: the client should come back, noth
 unexpected (500, logged with its traceback).
 
 Under ``/v1/videos`` (OpenAI's videos API) the same errors take OpenAI's shape instead, ``{"error": {"message",
-"type", "param", "code"}}`` (shared/openai_videos.py ``OpenAIErrorBody``), with vidq's stable code as ``code``; an
+"type", "param", "code"}}`` (shared/jobs/openai_videos.py ``OpenAIErrorBody``), with vidq's stable code as ``code``; an
 invalid request is a 400 there (OpenAI's status for it), not a 422. ``error_body`` chooses, by the request's path."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException
 
 from services.api.metrics import ERRORS
 from shared.errors import VidqError
-from shared.openai_videos import OpenAIError, OpenAIErrorBody
+from shared.jobs.openai_videos import OpenAIError, OpenAIErrorBody
 
 log = logging.getLogger("vidq.api")
 

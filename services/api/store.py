@@ -3,9 +3,10 @@ connection pool.
 
 Why not the SQLAlchemy session here: measured on a 2-core machine, an INSERT + COMMIT through SQLAlchemy (sync or
 async, Core or ORM) costs 2.3–2.7 ms of CPU, through psycopg directly 1.3 ms, and the thread-pool hop of a sync
-route another 0.3 ms (benchmarks/results/api_load_*.md). The statements are still the SQLAlchemy tables' own
-(shared/models.py, the one definition of the schema), compiled once at import to SQL with psycopg placeholders; rows
-come back as ``Job`` objects, so presenting a job is the same code everywhere.
+route another 0.3 ms (benchmarks/results/api_load_*.md). So this module is a driver only: the statements and their
+rules are the jobs repository's (shared/jobs/repository.py, on the tables of shared/models.py), compiled once at
+import to SQL with psycopg placeholders; rows come back as ``Job`` objects, so presenting a job is the same code
+everywhere.
 """
 
 from __future__ import annotations
@@ -21,19 +22,18 @@ from psycopg import AsyncConnection
 from psycopg.rows import TupleRow
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
-from sqlalchemy import JSON, Table, bindparam, func, insert, literal_column, select, tuple_
+from sqlalchemy import JSON, Table, bindparam, insert
 from sqlalchemy.dialects import postgresql
-from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.sql import ClauseElement
 
-from shared.config import Settings
-from shared.models import IdempotencyKey, Job, JobTransition
-from shared.states import JobStatus
+from shared.infra.config import Settings
+from shared.jobs import repository
+from shared.jobs.repository import RESULT_COLUMNS
+from shared.jobs.status import JobStatus
+from shared.models import Job
 
 _DIALECT = postgresql.psycopg.dialect()
 _JOBS: Table = Job.__table__  # type: ignore[assignment]  # declared models' tables are Tables
-_KEYS: Table = IdempotencyKey.__table__  # type: ignore[assignment]
-_TRANSITIONS: Table = JobTransition.__table__  # type: ignore[assignment]
 # Column name → attribute name ("metadata" is ``Job.metadata_``), in the table's column order.
 _ATTRS = [(col.name, attr.key) for attr in Job.__mapper__.column_attrs for col in attr.columns]
 _JSON_COLUMNS = {c.name for c in _JOBS.columns if isinstance(c.type, JSON)}
@@ -46,63 +46,12 @@ def _sql(statement: ClauseElement) -> str:
 
 
 _INSERT_JOB = _sql(insert(_JOBS).values({col: bindparam(col) for col, _ in _INSERTED}).returning(*_JOBS.columns))
-# A deleted job (DELETE /v1/videos/{id}, jobs.deleted_at) is gone for its tenant: no read or list shows it.
-_LIVE = _JOBS.c.deleted_at.is_(None)
-_GET_JOB = _sql(select(_JOBS).where(_JOBS.c.id == bindparam("id"), _JOBS.c.tenant_id == bindparam("tenant_id"), _LIVE))
-# Where a list page continues after a given job (GET /v1/videos?after=<id>): its place in the keyset order, deleted
-# or not (a client may delete the last video of the page it is reading).
-_POSITION = _sql(
-    select(_JOBS.c.created_at, _JOBS.c.id).where(
-        _JOBS.c.id == bindparam("id"), _JOBS.c.tenant_id == bindparam("tenant_id")
-    )
-)
-_LIVE_KEY = _sql(
-    select(_KEYS.c.request_hash, _KEYS.c.job_id).where(
-        _KEYS.c.tenant_id == bindparam("tenant_id"), _KEYS.c.key == bindparam("key"), _KEYS.c.expires_at > func.now()
-    )
-)
-_key_row = pg_insert(_KEYS)
-# An expired key the sweeper has not deleted yet behaves as a new key: it is taken over.
-_CLAIM_KEY = _sql(
-    _key_row.on_conflict_do_update(
-        index_elements=[_KEYS.c.tenant_id, _KEYS.c.key],
-        set_={
-            "request_hash": _key_row.excluded.request_hash,
-            "job_id": _key_row.excluded.job_id,
-            "expires_at": _key_row.excluded.expires_at,
-            "created_at": func.now(),
-        },
-        where=_KEYS.c.expires_at <= func.now(),
-    ).returning(_KEYS.c.key)
-)
-
-
-_INSERT_TRANSITION = _sql(
-    insert(_TRANSITIONS).values({c: bindparam(c) for c in ("job_id", "from_status", "to_status", "attempt", "reason")})
-)
-
-# What a job served from the result cache takes over from the job whose render it reuses: the stored objects and
-# what is known of them. The objects are the same (no copy); result_of names their owner.
-RESULT_COLUMNS = ("output_key", "poster_key", "output_bytes", "output_sha256", "output_frames")
-# The tenant's newest succeeded job with this result key (ix_jobs_result_cache, one entry read). The job that
-# rendered it: a match that was itself served from the cache points at its source (no chains of result_of). The
-# status is a literal, so a prepared statement's generic plan can still prove the partial index's predicate; now()
-# is the transaction's clock, the one the new row's created_at gets.
-_RESULT_SOURCE = _sql(
-    select(
-        func.coalesce(_JOBS.c.result_of, _JOBS.c.id),
-        *(_JOBS.c[name] for name in RESULT_COLUMNS),
-        func.now(),
-    )
-    .where(
-        _JOBS.c.tenant_id == bindparam("tenant_id"),
-        _JOBS.c.result_key == bindparam("result_key"),
-        _JOBS.c.status == literal_column(f"'{JobStatus.SUCCEEDED.value}'"),
-        _LIVE,  # a deleted video is not offered again
-    )
-    .order_by(_JOBS.c.created_at.desc())
-    .limit(literal_column("1"))
-)
+_GET_JOB = _sql(repository.GET_JOB)
+_POSITION = _sql(repository.POSITION)
+_LIVE_KEY = _sql(repository.LIVE_KEY)
+_CLAIM_KEY = _sql(repository.CLAIM_KEY)
+_INSERT_TRANSITION = _sql(repository.INSERT_TRANSITION)
+_RESULT_SOURCE = _sql(repository.RESULT_SOURCE)
 
 
 def result_source_query(*, tenant_id: uuid.UUID, result_key: str) -> tuple[str, dict[str, Any]]:
@@ -119,27 +68,8 @@ class ResultSource:
     now: datetime
 
 
-def _list_sql(*, status: JobStatus | None, after: bool, ascending: bool = False) -> str:
-    """Newest first (or oldest first); keyset pagination on (created_at, id). The cursor is a row comparison, which
-    Postgres turns into the start of a range scan of ix_jobs_tenant_newest (or ix_jobs_tenant_status_newest) read
-    in the ORDER BY's direction (backwards for oldest first): a page at any depth reads ``limit + 1`` entries, plus
-    any deleted jobs among them. The status is written into the SQL as a literal so that a prepared statement's
-    generic plan still picks the status index."""
-    stmt = select(_JOBS).where(_JOBS.c.tenant_id == bindparam("tenant_id"), _LIVE)
-    if status is not None:  # an enum value, safe to inline (see shared/states.py has_status for why inline)
-        stmt = stmt.where(_JOBS.c.status == literal_column(f"'{status.value}'"))
-    key, cursor = tuple_(_JOBS.c.created_at, _JOBS.c.id), tuple_(bindparam("ts"), bindparam("jid"))
-    if after:
-        stmt = stmt.where(key > cursor if ascending else key < cursor)
-    if ascending:
-        stmt = stmt.order_by(_JOBS.c.created_at.asc(), _JOBS.c.id.asc())
-    else:
-        stmt = stmt.order_by(_JOBS.c.created_at.desc(), _JOBS.c.id.desc())
-    return _sql(stmt.limit(bindparam("limit")))
-
-
 _LIST = {
-    (s, after, ascending): _list_sql(status=s, after=after, ascending=ascending)
+    (s, after, ascending): _sql(repository.page(status=s, after=after, ascending=ascending))
     for s in [None, *JobStatus]
     for after in (False, True)
     for ascending in (False, True)
@@ -244,7 +174,7 @@ class JobStore:
         return ResultSource(job_id=job_id, output=dict(zip(RESULT_COLUMNS, output, strict=True)), now=now)
 
     async def record_transition(self, conn: AsyncConnection[TupleRow], row: dict[str, Any]) -> None:
-        """One ``job_transitions`` row (shared/states.py ``transition_values``)."""
+        """One ``job_transitions`` row (shared/jobs/states.py ``audit``)."""
         await conn.execute(_INSERT_TRANSITION, row)
 
     async def live_key(

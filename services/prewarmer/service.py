@@ -32,7 +32,8 @@ import redis
 import torch
 from prometheus_client import Counter, Gauge, Histogram
 
-from shared.config import Settings
+from shared.infra.config import Settings
+from shared.infra.tracing import stage_span
 from shared.queues import Queue
 from shared.render.precision import compute_dtype, dtype_from_name, dtype_name, resolve_device
 from shared.render.text import EncoderIdentity, TextEncoder, build_text_encoder
@@ -43,7 +44,6 @@ from shared.textcache.monitor import RATES, HitRateMonitor, mode_key, read_windo
 from shared.textcache.remote import EncodeRequest, reply, take_request
 from shared.textcache.tiers import TierDown
 from shared.textcache.upcoming import QueuedPrompts, peek_job_ids, queued_prompts
-from shared.tracing import stage_span
 
 log = logging.getLogger("vidq.prewarmer")
 
@@ -337,7 +337,7 @@ class Prewarmer:
         return report
 
     def run_forever(self, stop: threading.Event) -> None:
-        from shared.liveness import touch
+        from shared.infra.liveness import touch
 
         alive = Path(self.settings.prewarmer_liveness_file)
 

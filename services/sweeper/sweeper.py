@@ -4,18 +4,19 @@ Each tick runs these steps, each in a short transaction of its own under a Postg
 of API replicas can run it, one at a time; a step that finds the lock taken ends the tick):
 1. running jobs whose lease expired (dead worker) go back to ``queued`` (or ``failed`` past ``max_attempts``);
 2. queued jobs never sent (crash between commit and send) or sent long ago and never claimed are re-sent;
-3. aging, the anti-starvation rule: a job still queued ``aging_promote_after_s`` after its last send is re-sent
-   one class up (low → medium → high). Workers take queues in strict priority order, so without this a steady
-   stream of high jobs could hold a low job forever; with it, a low job waits at most about
-   2 × aging_promote_after_s before it competes in the high queue, first come first served. The old message is
-   dropped by whichever worker meets it later (the job is no longer ``queued`` then);
+3. aging, the anti-starvation rule: a job still queued ``aging_promote_after_s`` after its last send moves one
+   class up (low → medium → high; its ``priority_class``, changed in this step's transaction) and is sent to that
+   class's queue. Workers take queues in strict priority order, so without this a steady stream of high jobs could
+   hold a low job forever; with it, a low job waits at most about 2 × aging_promote_after_s before it competes in
+   the high queue, first come first served. The old message is dropped by whichever worker meets it later (the
+   job is no longer ``queued`` then);
 4. finished jobs with a webhook but no delivery attempt on record are handed to the webhook queue again (after
    ``webhook_resend_grace_s``; after a day without one the sweeper gives up on it, as it always has);
 5. webhook retries that are due (``webhook_deliveries.next_attempt_at``, planned by the schedule in
    shared/webhooks/schedule.py) are handed to the webhook queue; the hand-over is a lease (``handed_over_at``): a
    lost message is handed over again after ``webhook_resend_grace_s``;
 6. expired idempotency keys are deleted, a batch per transaction.
-Messages are registered in the step's transaction and sent after it commits (shared/dispatch.py).
+Messages are registered in the step's transaction and sent after it commits (shared/messaging/dispatch.py).
 
 Every step reads an index that holds only what it may act on (shared/models.py) and takes at most a batch, so a
 tick with nothing due costs a few index probes on a table of millions of jobs, and no transaction holds row locks
@@ -33,15 +34,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from sqlalchemy import delete, literal, or_, select, text, tuple_, update
+from sqlalchemy import text
 from sqlalchemy.orm import Session, sessionmaker
 
-from shared.celery_app import VidqCelery
-from shared.config import Settings
-from shared.dispatch import flush_send_records, send_job_after_commit, send_webhook_after_commit
-from shared.models import IdempotencyKey, Job, WebhookDelivery
-from shared.queues import PriorityClass, Queue
-from shared.states import JobStatus, expired_leases, has_status, recover_expired, unsent_or_lost
+from shared.infra.config import Settings
+from shared.jobs import repository
+from shared.jobs.states import recover_expired
+from shared.jobs.status import JobStatus
+from shared.messaging.celery_app import VidqCelery
+from shared.messaging.dispatch import flush_send_records, send_job_after_commit, send_webhook_after_commit
+from shared.webhooks import deliveries
 
 log = logging.getLogger("vidq.sweeper")
 
@@ -63,77 +65,6 @@ class SweepReport:
     webhook_retries: list[uuid.UUID] = field(default_factory=list)
     keys_expired: int = 0
     skipped: bool = False
-
-
-def _promote_due(session: Session, *, now: datetime, after_s: float) -> list[Job]:
-    """Queued below the high class since its last send for ``after_s``, longest waiting first
-    (ix_jobs_queued_agable). The queue is a literal so that the partial index's predicate is provable even in a
-    prepared statement's generic plan."""
-    return list(
-        session.execute(
-            select(Job)
-            .where(
-                has_status(JobStatus.QUEUED),
-                Job.queue != literal(Queue.HIGH.value, literal_execute=True),
-                Job.enqueued_at < now - timedelta(seconds=after_s),
-            )
-            .order_by(Job.enqueued_at)
-            .limit(_BATCH)
-            .with_for_update(skip_locked=True)
-        ).scalars()
-    )
-
-
-def _webhooks_due(session: Session, *, now: datetime, grace_s: float) -> list[Job]:
-    """Finished with a webhook URL ``grace_s`` ago and no delivery attempt on record yet, oldest first: the mark
-    set by the finishing transition and cleared by the first attempt (ix_jobs_webhook_pending). Marks older
-    than ``_WEBHOOK_GIVE_UP`` come back too, for the caller to clear."""
-    return list(
-        session.execute(
-            select(Job)
-            .where(Job.webhook_pending_since < now - timedelta(seconds=grace_s))
-            .order_by(Job.webhook_pending_since)
-            .limit(_BATCH)
-            .with_for_update(skip_locked=True)
-        ).scalars()
-    )
-
-
-def _webhook_retries_due(session: Session, *, now: datetime, grace_s: float) -> list[tuple[WebhookDelivery, Job]]:
-    """The latest attempts whose retry is due, not handed over in the last ``grace_s``, earliest first
-    (ix_webhook_deliveries_due: only the latest attempts with a retry planned are in it)."""
-    rows = session.execute(
-        select(WebhookDelivery, Job)
-        .join(Job, Job.id == WebhookDelivery.job_id)
-        .where(
-            WebhookDelivery.next_attempt_at.is_not(None),
-            ~WebhookDelivery.superseded,
-            WebhookDelivery.next_attempt_at <= now,
-            or_(
-                WebhookDelivery.handed_over_at.is_(None),
-                WebhookDelivery.handed_over_at < now - timedelta(seconds=grace_s),
-            ),
-        )
-        .order_by(WebhookDelivery.next_attempt_at)
-        .limit(_BATCH)
-        .with_for_update(of=WebhookDelivery, skip_locked=True)
-    ).all()
-    return [(delivery, job) for delivery, job in rows]
-
-
-def _expire_keys(session: Session, *, now: datetime, limit: int) -> int:
-    """Delete up to ``limit`` expired idempotency keys (ix_idempotency_keys_expires_at, then the primary key)."""
-    batch = (
-        select(IdempotencyKey.tenant_id, IdempotencyKey.key)
-        .where(IdempotencyKey.expires_at < now)
-        .order_by(IdempotencyKey.expires_at)
-        .limit(limit)
-        .with_for_update(skip_locked=True)
-    )
-    result = session.execute(
-        delete(IdempotencyKey).where(tuple_(IdempotencyKey.tenant_id, IdempotencyKey.key).in_(batch))
-    )
-    return int(getattr(result, "rowcount", 0) or 0)
 
 
 Step = Callable[[Session, datetime, "SweepReport"], int]
@@ -187,7 +118,7 @@ class Sweeper:
         return done
 
     def _leases(self, session: Session, now: datetime, report: SweepReport) -> int:
-        jobs = expired_leases(session, now=now, limit=_BATCH)
+        jobs = repository.expired_leases(session, now=now, limit=_BATCH)
         for job in jobs:
             after = recover_expired(session, job)
             if after is None:
@@ -202,7 +133,9 @@ class Sweeper:
 
     def _unsent_or_lost(self, session: Session, now: datetime, report: SweepReport) -> int:
         s = self.settings
-        jobs = unsent_or_lost(session, now=now, grace_s=s.enqueue_grace_s, resend_s=s.queued_resend_s, limit=_BATCH)
+        jobs = repository.unsent_or_lost(
+            session, now=now, grace_s=s.enqueue_grace_s, resend_s=s.queued_resend_s, limit=_BATCH
+        )
         for job in jobs:
             # Requeued by step 1 a moment ago: its send is on its way (or failed, and the next tick retries it).
             if job.id not in report.requeued:
@@ -211,25 +144,27 @@ class Sweeper:
         return len(jobs)
 
     def _aging(self, session: Session, now: datetime, report: SweepReport) -> int:
-        jobs = _promote_due(session, now=now, after_s=self.settings.aging_promote_after_s)
+        jobs = repository.promotion_due(session, now=now, after_s=self.settings.aging_promote_after_s, limit=_BATCH)
         for job in jobs:
-            current = PriorityClass(job.queue.removeprefix("video."))
+            repository.promote(session, job)  # its class moves up in this transaction
             report.promoted.append(job.id)
-            send_job_after_commit(session, self.celery, job, queue=current.promoted().queue.value)
+            send_job_after_commit(session, self.celery, job)  # to the new class's queue, after the commit
         return len(jobs)
 
     def _keys(self, session: Session, now: datetime, report: SweepReport) -> int:
-        deleted = _expire_keys(session, now=now, limit=_KEY_BATCH)
+        deleted = repository.expire_keys(session, now=now, limit=_KEY_BATCH)
         report.keys_expired += deleted
         return deleted
 
     def _webhooks(self, session: Session, now: datetime, report: SweepReport) -> int:
-        jobs = _webhooks_due(session, now=now, grace_s=self.settings.webhook_resend_grace_s)
+        jobs = repository.webhooks_due(
+            session, now=now, grace_s=self.settings.webhook_resend_grace_s, limit=_BATCH
+        )  # marks older than _WEBHOOK_GIVE_UP come back too, to be cleared here
         stale = [
             job.id for job in jobs if job.webhook_pending_since and job.webhook_pending_since < now - _WEBHOOK_GIVE_UP
         ]
         if stale:
-            session.execute(update(Job).where(Job.id.in_(stale)).values(webhook_pending_since=None))
+            repository.clear_webhook_pending(session, stale)
             log.warning("webhooks never handed over; giving up", extra={"jobs": [str(j) for j in stale]})
         for job in jobs:
             if job.id not in stale:
@@ -238,7 +173,7 @@ class Sweeper:
         return len(jobs)
 
     def _webhook_retries(self, session: Session, now: datetime, report: SweepReport) -> int:
-        due = _webhook_retries_due(session, now=now, grace_s=self.settings.webhook_resend_grace_s)
+        due = deliveries.retries_due(session, now=now, grace_s=self.settings.webhook_resend_grace_s, limit=_BATCH)
         for delivery, job in due:
             delivery.handed_over_at = now
             report.webhook_retries.append(job.id)
@@ -248,7 +183,7 @@ class Sweeper:
     def run_forever(self, stop: threading.Event) -> None:
         from pathlib import Path
 
-        from shared.liveness import touch
+        from shared.infra.liveness import touch
 
         alive = Path(self.settings.sweeper_liveness_file)
         while not stop.is_set():

@@ -1,4 +1,7 @@
-"""The webhook worker's Celery app (``vidq worker --role webhooks``): CPU only, never imports torch."""
+"""The webhook worker's Celery app (``vidq worker --role webhooks``): CPU only, never imports torch.
+
+``build(settings)`` makes the app; services/worker/main.py runs it. The signal handlers below read the settings of
+the app that ``build`` made: one app per worker process."""
 
 from __future__ import annotations
 
@@ -6,28 +9,41 @@ from typing import Any
 
 from celery.signals import setup_logging, worker_process_init, worker_process_shutdown
 
-from shared.celery_app import make_celery
-from shared.config import get_settings
-from shared.db import dispose_engines
-from shared.logs import configure_logging
-from shared.tracing import active as active_tracing
-from shared.tracing import setup_tracing
+from shared.infra.config import Settings
+from shared.infra.db import dispose_engines
+from shared.infra.logs import configure_logging
+from shared.infra.tracing import active as active_tracing
+from shared.infra.tracing import setup_tracing
+from shared.messaging.celery_app import VidqCelery, make_celery
 
-settings = get_settings()
-celery = make_celery(settings)
-celery.conf.include = ["services.webhooks.tasks"]
-app = celery
+_app: VidqCelery | None = None
+
+
+def build(settings: Settings) -> VidqCelery:
+    """The webhook worker's Celery app for ``settings``."""
+    global _app
+    celery = make_celery(settings)
+    celery.conf.include = ["services.webhooks.tasks"]
+    _app = celery
+    return celery
+
+
+def _settings() -> Settings:
+    if _app is None:
+        raise RuntimeError("the webhook worker's app is not built in this process (services.webhooks.app.build)")
+    return _app.settings
 
 
 @setup_logging.connect
 def _logging(**_: Any) -> None:
+    settings = _settings()
     configure_logging(level=settings.log_level, json_logs=settings.log_json)
 
 
 @worker_process_init.connect
 def _init_child(**_: Any) -> None:
     dispose_engines()  # never share a parent's sockets across fork
-    setup_tracing("vidq-webhooks", settings, celery=True)  # nothing when tracing is off
+    setup_tracing("vidq-webhooks", _settings(), celery=True)  # nothing when tracing is off
 
 
 @worker_process_shutdown.connect

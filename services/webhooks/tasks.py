@@ -14,19 +14,17 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 
 from celery import Task, shared_task
 from opentelemetry.trace import StatusCode
-from sqlalchemy import func, insert, select, update
 
-from shared.config import Settings
-from shared.db import session_scope
-from shared.models import Job, Tenant, WebhookDelivery
+from shared.infra.config import Settings
+from shared.infra.db import session_scope
+from shared.infra.tracing import stage_span
+from shared.jobs.status import JobStatus
 from shared.queues import TASK_DELIVER_WEBHOOK
-from shared.states import JobStatus
-from shared.tracing import stage_span
-from shared.webhooks.deliveries import latest_attempt
+from shared.webhooks import deliveries
 from shared.webhooks.events import event_body, event_type
 from shared.webhooks.schedule import message_id, next_delay_s
 from shared.webhooks.signing import sign
@@ -58,19 +56,14 @@ def deliver_webhook(self: Task, job_id: str) -> str:
     # 1. The job, its tenant's secret, and whether an attempt is due: none on record yet, or the latest one
     #    has a retry planned (or a redelivery asked) for now or earlier, on the database's clock.
     with session_scope(settings) as session:
-        row = session.execute(
-            select(Job, Tenant.webhook_secret).join(Tenant, Tenant.id == Job.tenant_id).where(Job.id == jid)
-        ).first()
-        if row is None:
+        found = deliveries.job_and_secret(session, jid)
+        if found is None:
             return "no_job"
-        job, secret = row
+        job, secret = found
         if not job.webhook_url or not JobStatus(job.status).is_terminal():
             return "nothing_to_send"
         kind = event_type(job)  # job.* or video.*, by the API that created the job
-        # Due by the database's clock, as the sweeper reads it.
-        latest = session.execute(
-            latest_attempt(jid, kind).add_columns(WebhookDelivery.next_attempt_at <= func.now())
-        ).first()
+        latest = deliveries.latest_and_due(session, jid, kind)
         if latest is not None and not latest[1]:
             return "not_due"  # delivered, given up, or its retry is not due yet: the sweeper hands it over then
         attempt = 1 if latest is None else latest[0].attempt + 1
@@ -95,37 +88,19 @@ def deliver_webhook(self: Task, job_id: str) -> str:
             span.set_status(StatusCode.ERROR, result.error or f"HTTP {result.status_code}")
     # 3. The attempt on record, as the latest of its job and event; the next one planned when there is one.
     with session_scope(settings) as session:
-        session.execute(
-            update(WebhookDelivery)
-            .where(
-                WebhookDelivery.job_id == jid,
-                WebhookDelivery.event_type == kind,
-                ~WebhookDelivery.superseded,
-            )
-            .values(superseded=True)
-            .execution_options(synchronize_session=False)
-        )
-        session.execute(
-            insert(WebhookDelivery).values(
-                job_id=jid,
-                event_type=kind,
-                msg_id=msg_id,
-                attempt=attempt,
-                url=url,
-                ok=result.ok,
-                status_code=result.status_code,
-                error=result.error,
-                duration_ms=result.duration_ms,
-                response_excerpt=result.response_excerpt,
-                next_attempt_at=None if delay is None else func.now() + timedelta(seconds=delay),
-            )
-        )
-        # An attempt is on record: the sweeper no longer needs to hand this job over (ix_jobs_webhook_pending).
-        session.execute(
-            update(Job)
-            .where(Job.id == jid, Job.webhook_pending_since.is_not(None))
-            .values(webhook_pending_since=None)
-            .execution_options(synchronize_session=False)
+        deliveries.record_attempt(
+            session,
+            job_id=jid,
+            event_type=kind,
+            next_in_s=delay,
+            msg_id=msg_id,
+            attempt=attempt,
+            url=url,
+            ok=result.ok,
+            status_code=result.status_code,
+            error=result.error,
+            duration_ms=result.duration_ms,
+            response_excerpt=result.response_excerpt,
         )
     log.info(
         "webhook attempt",

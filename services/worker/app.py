@@ -1,7 +1,8 @@
 """The worker's Celery app: tasks registered on the shared app, per-process resources built in the pool child.
 
-``celery -A services.worker.app worker`` (or ``vidq worker``). CUDA is only touched in the pool child (the model
-load thread ``worker_process_init`` starts), never in the parent.
+``build(settings)`` makes the app; services/worker/main.py runs it (``vidq worker``). CUDA is only touched in the
+pool child (the model load thread ``worker_process_init`` starts), never in the parent. The signal handlers below
+read the settings of the app that ``build`` made: one app per worker process.
 
 Two faults shape this file:
 
@@ -9,7 +10,7 @@ Two faults shape this file:
   model built inside ``worker_process_init`` that takes longer meant a crashed pool process was never replaced. The
   models are built (and warmed up) on the pool process's GPU thread instead (services/worker/gpu_thread.py: it also
   renders every job), where no start-up timeout applies; the task waits for it
-  (``wait_for_models``) before it claims its job, and the pool file (shared/liveness.py) tells the probe whether a
+  (``wait_for_models``) before it claims its job, and the pool file (shared/infra/liveness.py) tells the probe whether a
   pool process is loading, ready or stuck. Raising the timeout instead would tie it to a load time nobody knows.
 - A SIGTERM to the whole process group (systemd, ``vidq up``) used to kill the pool child mid-job. The pool child
   now ignores SIGTERM, so only the main process reacts (Celery's warm shutdown: no new job, the running one
@@ -33,35 +34,42 @@ from typing import Any
 
 from celery.signals import setup_logging, worker_init, worker_process_init, worker_process_shutdown, worker_ready
 
-from shared.celery_app import make_celery
-from shared.config import get_settings
-from shared.db import dispose_engines
-from shared.liveness import mark_pool, pool_path
-from shared.logs import configure_logging
-from shared.tracing import active as active_tracing
-from shared.tracing import setup_tracing
+from shared.infra.config import Settings
+from shared.infra.db import dispose_engines
+from shared.infra.liveness import mark_pool, pool_path
+from shared.infra.logs import configure_logging
+from shared.infra.tracing import active as active_tracing
+from shared.infra.tracing import setup_tracing
+from shared.messaging.celery_app import VidqCelery, make_celery
 
 log = logging.getLogger("vidq.worker")
 
-settings = get_settings()
-celery = make_celery(settings)
-# The webhook task is included too, so one worker can serve every queue (``vidq worker --role all``: demo, tests).
-celery.conf.include = ["services.worker.tasks", "services.webhooks.tasks"]
-app = celery
+_app: VidqCelery | None = None
 
 
-def _register_steps() -> None:
+def build(settings: Settings) -> VidqCelery:
+    """The worker's Celery app for ``settings``, with its tasks and its liveness step."""
+    global _app
     from services.worker.metrics import LivenessFile
 
+    celery = make_celery(settings)
+    # The webhook task is included too, so one worker can serve every queue (``vidq worker --role all``: demo, tests).
+    celery.conf.include = ["services.worker.tasks", "services.webhooks.tasks"]
     celery.steps["consumer"].add(LivenessFile)
+    _app = celery
+    return celery
 
 
-_register_steps()
+def _settings() -> Settings:
+    if _app is None:
+        raise RuntimeError("the worker's app is not built in this process (services.worker.app.build)")
+    return _app.settings
 
 
 @setup_logging.connect
 def _logging(**_: Any) -> None:
     # Connecting here stops Celery from installing its own handlers: the worker logs JSON like every service.
+    settings = _settings()
     configure_logging(level=settings.log_level, json_logs=settings.log_json)
 
 
@@ -69,6 +77,7 @@ def _logging(**_: Any) -> None:
 def _init_main(**_: Any) -> None:
     from services.worker.metrics import serve_metrics
 
+    settings = _settings()
     # Before any pool process exists: the probe gives the first load its timeout, not the ready file's max age.
     mark_pool(pool_path(Path(settings.worker_liveness_file)), "starting")
     serve_metrics(settings)
@@ -86,6 +95,7 @@ def _load_models() -> None:
     from shared.render.tiers import resolve_tier
     from shared.render.warmup import save_compile_cache, use_compile_cache, warm_up
 
+    settings = _settings()
     try:
         if settings.worker_model_load_delay_s:  # test knob: a slow (or never-ending) model load
             time.sleep(settings.worker_model_load_delay_s)
@@ -114,6 +124,7 @@ def _load_models() -> None:
 def wait_for_models() -> bool:
     """In a task: block until this pool process's models are built. False if they never will be (failed, or still
     loading after VIDQ_WORKER_MODEL_LOAD_TIMEOUT_S); the caller gives its message back, unclaimed."""
+    settings = _settings()
     if not _models_ready.wait(settings.worker_model_load_timeout_s):
         return False
     return not _models_failed.is_set()
@@ -121,6 +132,7 @@ def wait_for_models() -> bool:
 
 @worker_process_init.connect
 def _init_child(**_: Any) -> None:
+    settings = _settings()
     # Only the main process reacts to SIGTERM (a warm shutdown waits for this process's job). Celery already ignores
     # SIGINT here; billiard's kills (hard time limit) escalate to SIGKILL, and so does ours on a hard stop.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -169,6 +181,7 @@ def _install_shutdown_escalation(**_: Any) -> None:
     wait for the job) and hands over to Celery's cold shutdown."""
     if threading.current_thread() is not threading.main_thread():
         return
+    settings = _settings()
     warm: Handler = signal.getsignal(signal.SIGTERM)
     cold: Handler = signal.getsignal(signal.SIGQUIT)
     terms = 0

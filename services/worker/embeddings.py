@@ -12,8 +12,8 @@ from functools import lru_cache, partial
 
 import torch
 
-from shared.celery_app import VidqCelery
-from shared.config import Settings
+from shared.infra.config import Settings
+from shared.messaging.celery_app import VidqCelery
 from shared.queues import Queue
 from shared.render.pipeline import TextRows, VideoPipeline
 from shared.render.precision import resolve_device

@@ -7,11 +7,12 @@ import threading
 import time
 import uuid
 
-from shared.config import Settings
-from shared.db import session_scope
 from shared.errors import JobCancelled, LeaseLost
-from shared.progress import ProgressPublisher
-from shared.states import JobStatus, renew_lease
+from shared.infra.config import Settings
+from shared.infra.db import session_scope
+from shared.jobs.states import renew_lease
+from shared.jobs.status import JobStatus
+from shared.messaging.progress import ProgressPublisher
 
 log = logging.getLogger("vidq.worker.lease")
 

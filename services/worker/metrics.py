@@ -20,8 +20,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from shared.config import Settings
-from shared.liveness import mark_pool, pool_path, touch
+from shared.infra.config import Settings
+from shared.infra.liveness import mark_pool, pool_path, touch
 
 log = logging.getLogger("vidq.worker.metrics")
 

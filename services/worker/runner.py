@@ -1,6 +1,6 @@
 """One job, start to end: claim → render → encode → upload → finalize → webhook. A plain function the thin
 Celery task calls; everything it does is fenced by the attempt number it claimed. Each stage is a span of the job's
-trace (shared/tracing.py; no-ops while tracing is off)."""
+trace (shared/infra/tracing.py; no-ops while tracing is off)."""
 
 from __future__ import annotations
 
@@ -27,17 +27,18 @@ from urllib3.exceptions import HTTPError as Urllib3Error
 
 from services.worker.lease import Lease
 from services.worker.metrics import BUSY, FAILURES, JOBS, QUEUE_WAIT, STAGE_SECONDS
-from shared.celery_app import VidqCelery
-from shared.config import Settings
-from shared.db import session_scope
-from shared.dispatch import after_transition_commit
 from shared.errors import EmbeddingsUnavailable, JobCancelled, LeaseLost
+from shared.infra.config import Settings
+from shared.infra.db import session_scope
+from shared.infra.storage import Storage, StoredObject, poster_key, video_key
+from shared.infra.tracing import stage_span
+from shared.jobs.states import cancelled_by_worker, claim, fail, release_for_retry, succeed
+from shared.jobs.status import JobStatus
+from shared.messaging.celery_app import VidqCelery
+from shared.messaging.dispatch import after_transition_commit
+from shared.messaging.progress import ProgressPublisher
 from shared.models import Job
-from shared.progress import ProgressPublisher
 from shared.spec import GenerationSpec
-from shared.states import JobStatus, cancelled_by_worker, claim, fail, release_for_retry, succeed
-from shared.storage import Storage, StoredObject, poster_key, video_key
-from shared.tracing import stage_span
 
 if TYPE_CHECKING:  # the render code (torch) is imported where a job renders, not when the task module loads
     from shared.render.pipeline import RenderResult, VideoPipeline
@@ -85,7 +86,7 @@ def _retry_db(fn: Callable[[], T], *, settings: Settings, deadline: float, what:
 
 def _settle(settings: Settings, celery: VidqCelery, transition: Callable[[Session], Job | None]) -> Job | None:
     """One transition out of ``running`` in its own unit of work; what must follow it goes out after the commit
-    (shared/dispatch.py ``after_transition_commit``). None when the fencing token no longer holds."""
+    (shared/messaging/dispatch.py ``after_transition_commit``). None when the fencing token no longer holds."""
     with session_scope(settings) as session:
         job = transition(session)
         if job is not None:

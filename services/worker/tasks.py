@@ -7,14 +7,13 @@ import uuid
 from celery import Task, shared_task
 from celery.exceptions import Reject
 
+from services.worker.app import wait_for_models
 from services.worker.runner import ClaimDeferred, run_job
 from shared.queues import TASK_GENERATE
 
 
 @shared_task(name=TASK_GENERATE, bind=True, acks_late=True, ignore_result=True)
 def generate(self: Task, job_id: str) -> str:
-    from services.worker.app import wait_for_models  # loaded by now; not at import: it builds an app
-
     # The models are built in a background thread of this pool process: no job starts before they are ready.
     if not wait_for_models():
         # Unclaimed, so the message goes back whole; the liveness probe is failing and the process will be replaced.

@@ -46,7 +46,7 @@ StepCallback = Callable[[int, int], None]
 # Texts to their real-token embedding rows (shared/render/text.py): the worker passes the embedding cache's lookup.
 TextRows = Callable[[list[str]], list[torch.Tensor]]
 # Around each stage ("embeddings", "denoise", "decode"), ended once the stage's device work is done: the worker passes
-# a span (shared/tracing.py).
+# a span (shared/infra/tracing.py).
 StageScope = Callable[[str], AbstractContextManager[Any]]
 
 

@@ -37,7 +37,7 @@ __all__ = ["LOCAL", "TINY_WAN", "WAN21_13B_ARCH", "PipelineKey", "build_pipeline
 
 
 class RenderSettings(Protocol):
-    """What the registry reads from a process's settings (``shared.config.Settings`` has all of it)."""
+    """What the registry reads from a process's settings (``shared.infra.config.Settings`` has all of it)."""
 
     @property
     def device(self) -> str | None: ...  # "cuda", "cuda:1", "cpu"; None = CUDA if there is one

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import redis
 
-from shared.config import Settings
+from shared.infra.config import Settings
+from shared.infra.redis_clients import broker_client, client
 from shared.textcache.hierarchy import CachePolicy, EmbeddingCache, Neighbours
 from shared.textcache.hot import HotPrompts
 from shared.textcache.monitor import HitCounter
@@ -17,10 +18,10 @@ def control_client(settings: Settings, *, blocking_s: float = 0.0) -> redis.Redi
     """The broker's Redis, where the monitors, the hot-prompt sketch, the mode and encode requests live. A client
     for blocking calls (BLPOP) of up to ``blocking_s`` gets a socket timeout above that."""
     timeout = max(settings.redis_socket_timeout_s, blocking_s + settings.redis_socket_timeout_s)
-    return redis.Redis.from_url(
-        str(settings.broker_url),
-        socket_timeout=timeout if blocking_s else settings.cache_redis_timeout_s,
-        socket_connect_timeout=settings.cache_redis_timeout_s,
+    return broker_client(
+        settings,
+        timeout_s=timeout if blocking_s else settings.cache_redis_timeout_s,
+        connect_timeout_s=settings.cache_redis_timeout_s,
     )
 
 
@@ -28,11 +29,7 @@ def tier_client(url: str, settings: Settings) -> redis.Redis | None:
     """A tier's Redis: ``url``, or the broker's when empty; None when "off"."""
     if url.strip().lower() == OFF:
         return None
-    return redis.Redis.from_url(
-        url or str(settings.broker_url),
-        socket_timeout=settings.cache_redis_timeout_s,
-        socket_connect_timeout=settings.cache_redis_timeout_s,
-    )
+    return client(url or str(settings.broker_url), timeout_s=settings.cache_redis_timeout_s)
 
 
 def counter_and_sketch(settings: Settings, control: redis.Redis | None) -> tuple[HitCounter, HotPrompts]:

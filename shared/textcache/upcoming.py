@@ -2,7 +2,7 @@
 
 The broker keeps each queue as a Redis list: the API pushes on the left (LPUSH), workers pop from the right
 (BRPOP), so the right end is the next job and the left end the newest. Each element is kombu's JSON envelope of a
-Celery protocol-2 message whose body's first argument is the job id (shared/broker.py reads it).
+Celery protocol-2 message whose body's first argument is the job id (shared/messaging/broker.py reads it).
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from typing import Literal
 import redis
 from sqlalchemy import select
 
-from shared.broker import job_id_of
-from shared.config import Settings
-from shared.db import session_scope
+from shared.infra.config import Settings
+from shared.infra.db import session_scope
+from shared.jobs.status import JobStatus
+from shared.messaging.broker import job_id_of
 from shared.models import Job
 from shared.render.text import texts_of
 from shared.spec import GenerationSpec
-from shared.states import JobStatus
 
 
 @dataclass(frozen=True, slots=True)

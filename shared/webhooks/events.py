@@ -17,12 +17,12 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from shared.config import Settings
+from shared.infra.config import Settings
+from shared.infra.storage import Storage
+from shared.jobs.openai_videos import video_id
+from shared.jobs.presenters import present_job
+from shared.jobs.status import JobStatus
 from shared.models import ApiFlavour, Job
-from shared.openai_videos import video_id
-from shared.presenters import present_job
-from shared.states import JobStatus
-from shared.storage import Storage
 from shared.webhooks.signing import build_event
 
 OPENAI_EVENT_TYPES = ("video.completed", "video.failed")

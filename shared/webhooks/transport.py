@@ -18,7 +18,7 @@ from typing import Any
 
 import httpcore
 
-from shared.webhooks.urls import AddressNotAllowed, IPAddress, check_address, validate_webhook_url
+from shared.infra.urls import AddressNotAllowed, IPAddress, check_address, validate_webhook_url
 
 Resolver = Callable[[str, int, float | None], list[IPAddress]]
 

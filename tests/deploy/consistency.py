@@ -104,23 +104,23 @@ def cli_args_problems(args: Sequence[str]) -> list[str]:
 
 
 def worker_roles() -> dict[str, list[str]]:
-    from tools.cli import WORKER_ROLES
+    from services.worker.main import Role
 
-    return {role: list(queues) for role, queues in WORKER_ROLES.items()}
+    return {role.value: [q.value for q in role.queues] for role in Role}
 
 
 # ---- settings ---------------------------------------------------------------------------------------------------
 
 
 def _env_prefix() -> str:
-    from shared.config import Settings
+    from shared.infra.config import Settings
 
     return str(Settings.model_config.get("env_prefix", ""))
 
 
 def settings_env_names() -> set[str]:
     """The environment variable of every Settings field: VIDQ_ + the field name in upper case."""
-    from shared.config import Settings
+    from shared.infra.config import Settings
 
     prefix = _env_prefix()
     return {f"{prefix}{name}".upper() for name in Settings.model_fields}
@@ -133,7 +133,7 @@ def setting_field(env_name: str) -> str:
 
 def settings_from_env(env: Mapping[str, str]) -> Any:
     """Settings exactly as a process would build them from ``env`` alone (no .env file, nothing else set)."""
-    from shared.config import Settings
+    from shared.infra.config import Settings
 
     with mock.patch.dict(os.environ, dict(env), clear=True):
         return Settings(_env_file=None)  # type: ignore[call-arg]

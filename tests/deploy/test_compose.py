@@ -282,7 +282,7 @@ def test_every_vidq_variable_is_a_real_setting() -> None:
     }
     for source, text in sources.items():
         unknown = set(VIDQ_NAME.findall(text)) - known
-        assert unknown == set(), f"{source} uses VIDQ_* names that are not settings (shared/config.py)"
+        assert unknown == set(), f"{source} uses VIDQ_* names that are not settings (shared/infra/config.py)"
 
 
 def test_env_example_documents_every_setting_once_with_its_default() -> None:
@@ -628,7 +628,8 @@ import tools.cli
 typer.main.get_command(tools.cli.app)
 from services.api.app import create_app
 create_app()
-import services.webhooks.app, services.webhooks.tasks, services.sweeper.sweeper, shared.liveness, shared.migrate
+import services.webhooks.app, services.webhooks.tasks, services.sweeper.sweeper
+import shared.infra.liveness, shared.infra.migrate
 """
     result = subprocess.run(
         [sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=False

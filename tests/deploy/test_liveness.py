@@ -14,8 +14,8 @@ import pytest
 from typer.testing import CliRunner
 
 from services.sweeper.sweeper import Sweeper
-from shared.config import Settings, get_settings
-from shared.liveness import is_alive, touch
+from shared.infra.config import Settings, get_settings
+from shared.infra.liveness import is_alive, touch
 from tools.cli import app
 
 

@@ -103,7 +103,7 @@ def hold(settings: Any) -> Iterator[Hold]:
 
 @pytest.fixture
 def tenant_key(settings: Any, clean_state: None) -> dict[str, str]:
-    from shared.db import session_scope
+    from shared.infra.db import session_scope
     from shared.tenants import issue_key
 
     with session_scope(settings) as session:

@@ -13,9 +13,9 @@ from typing import Any
 import httpx
 
 from services.sweeper.sweeper import Sweeper
-from shared.celery_app import make_celery
-from shared.config import Settings
-from shared.db import session_factory, session_scope
+from shared.infra.config import Settings
+from shared.infra.db import session_factory, session_scope
+from shared.messaging.celery_app import make_celery
 from shared.models import Job, JobTransition
 from tools.processes import ProcessGroup
 

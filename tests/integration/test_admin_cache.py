@@ -14,7 +14,7 @@ import httpx
 import pytest
 import redis
 
-from shared.config import Settings
+from shared.infra.config import Settings
 from shared.textcache.monitor import HitCounter, mode_key
 from tests.integration.helpers import free_port
 from tools.processes import ProcessGroup, vidq_argv, wait_http

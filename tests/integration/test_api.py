@@ -9,7 +9,7 @@ import pytest
 import redis
 from sqlalchemy import func, select
 
-from shared.db import session_scope
+from shared.infra.db import session_scope
 from shared.models import IdempotencyKey, Job
 from shared.queues import Queue
 from shared.spec import GenerationSpec

@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from datetime import timedelta
 
-from shared.db import session_scope
+from shared.infra.db import session_scope
 from tests.integration.helpers import db_job, queue_key, submit, sweeper, transitions, wait_job
 from tools.processes import wait_until
 
@@ -42,7 +42,7 @@ def test_cancel_running_job_stops_at_next_step_and_frees_the_worker(client, star
 
 def test_high_runs_before_medium_before_low_when_all_are_queued(client, start_worker, settings):
     # With the default weights: a one-word long clip is low; a busy prompt on a short clip is medium; a very
-    # busy prompt, the largest size and the shortest clip is high (see shared/scoring.py for the formula).
+    # busy prompt, the largest size and the shortest clip is high (see shared/jobs/scoring.py for the formula).
     busy = "a bright golden red dragon slowly flying over misty blue mountains"
     low = submit(client, prompt="boat", width=64, height=64, duration_s=3.0, fps=4)
     medium = submit(client, prompt=", ".join([busy] * 5), width=64, height=64, duration_s=1.0, fps=4)

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from sqlalchemy import func, select, update
 
-from shared.db import session_scope
+from shared.infra.db import session_scope
 from shared.models import IdempotencyKey, Job
 from tests.integration.helpers import TINY, free_port, submit
 from tools.processes import ProcessGroup, vidq_argv, wait_http

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from services.worker.embeddings import _neighbours
-from shared.celery_app import make_celery
+from shared.messaging.celery_app import make_celery
 from shared.render.text import TextEncoder, texts_of
 from shared.textcache.factory import build_cache
 from tests.integration.helpers import submit

@@ -21,8 +21,8 @@ import psycopg
 import pytest
 from httpx_sse import connect_sse
 
-from shared.db import get_engine, session_scope
-from shared.states import fail
+from shared.infra.db import get_engine, session_scope
+from shared.jobs.states import fail
 from shared.tenants import issue_key
 from tests.integration.helpers import TINY, free_port, submit
 from tools.processes import ManagedProcess, ProcessGroup, vidq_argv, wait_http

@@ -16,12 +16,12 @@ import openai
 import pytest
 
 from services.api.deps import Caller
-from services.api.jobs_service import create_job
-from shared.db import session_scope
+from services.api.jobs.service import create_job
+from shared.infra.db import session_scope
+from shared.infra.storage import Storage
+from shared.jobs.schemas import JobCreate
+from shared.jobs.states import claim, succeed
 from shared.render.video import probe
-from shared.schemas import JobCreate
-from shared.states import claim, succeed
-from shared.storage import Storage
 from shared.tenants import issue_key
 from tests.integration.helpers import TINY, db_job, free_port, transitions
 from tools.processes import ProcessGroup, vidq_argv, wait_http, wait_until

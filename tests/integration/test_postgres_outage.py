@@ -25,9 +25,9 @@ import pytest
 from sqlalchemy import func, select
 from sqlalchemy.exc import DBAPIError
 
-from shared.config import Settings
-from shared.db import get_engine, session_scope
-from shared.migrate import upgrade
+from shared.infra.config import Settings
+from shared.infra.db import get_engine, session_scope
+from shared.infra.migrate import upgrade
 from shared.models import Job, JobTransition
 from shared.tenants import issue_key
 from tests.conftest import _delete_broker_keys

@@ -15,8 +15,8 @@ import redis
 import torch
 from sqlalchemy import update
 
-from shared.config import Settings
-from shared.db import session_scope
+from shared.infra.config import Settings
+from shared.infra.db import session_scope
 from shared.models import Job, JobTransition
 from shared.render.registry import TINY_WAN
 from shared.render.text import encoder_identity, texts_of

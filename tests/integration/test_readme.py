@@ -102,7 +102,7 @@ def test_every_not_run_entry_matches_a_block_and_no_block_hides_behind_a_lookali
 
 
 def test_every_vidq_setting_named_exists() -> None:
-    from shared.config import Settings
+    from shared.infra.config import Settings
 
     text = README.read_text()
     known = {f"VIDQ_{name.upper()}" for name in Settings.model_fields} | _cli_envvars() | _test_knobs()
@@ -309,7 +309,7 @@ def _session_env(tmp_path: Path, token: str) -> tuple[dict[str, str], Callable[[
     )
 
     def cleanup() -> None:
-        from shared.db import dispose_engines
+        from shared.infra.db import dispose_engines
 
         dispose_engines()
         _drop_database(pg, db_name)

@@ -8,10 +8,10 @@ import uuid
 
 from celery import Celery
 
-from shared.celery_app import make_celery
-from shared.db import session_scope
+from shared.infra.db import session_scope
+from shared.infra.storage import Storage
+from shared.messaging.celery_app import make_celery
 from shared.queues import TASK_GENERATE
-from shared.storage import Storage
 from tests.integration.helpers import TINY, db_job, submit, sweeper, transitions, wait_job
 from tools.processes import wait_until
 
@@ -60,9 +60,9 @@ def test_sigkill_mid_job_then_a_new_worker_finishes_it_once(client, start_worker
 
 
 def test_commit_then_crash_before_send_the_sweeper_sends_it(client, start_worker, settings, tenant_key):
-    from services.api.jobs_service import create_job
+    from services.api.jobs.service import create_job
+    from shared.jobs.schemas import JobCreate
     from shared.models import Tenant
-    from shared.schemas import JobCreate
 
     # The API's own create path, committed, and then "crash": no message is ever sent.
     with session_scope(settings) as session:

@@ -18,14 +18,14 @@ import redis
 from sqlalchemy import select
 from standardwebhooks.webhooks import Webhook
 
-from services.api.jobs_service import create_job
-from shared.config import Settings
-from shared.db import session_scope
+from services.api.jobs.service import create_job
+from shared.infra.config import Settings
+from shared.infra.db import session_scope
+from shared.infra.storage import Storage
+from shared.jobs.schemas import JobCreate
+from shared.jobs.states import claim, succeed
 from shared.models import JobTransition, Tenant
 from shared.queues import Queue
-from shared.schemas import JobCreate
-from shared.states import claim, succeed
-from shared.storage import Storage
 from shared.tenants import issue_key
 from tests.integration.helpers import TINY, db_job, queue_key, submit, sweeper, transitions, wait_job
 

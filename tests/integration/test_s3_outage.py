@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.db import session_scope
+from shared.infra.db import session_scope
 from shared.models import JobTransition
 from tests.integration.helpers import TINY, free_port, submit, transitions, wait_job
 from tools.processes import ProcessGroup, vidq_argv, wait_for_log

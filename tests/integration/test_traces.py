@@ -28,8 +28,8 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as PbSpan
 from sqlalchemy import update
 
-from shared.config import Settings
-from shared.db import session_scope
+from shared.infra.config import Settings
+from shared.infra.db import session_scope
 from shared.models import Job
 from tests.integration.conftest import Receiver
 from tests.integration.helpers import TINY, db_job, free_port, kill_after_test, process_env, queue_key, wait_job

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from standardwebhooks.webhooks import Webhook
 
-from shared.db import session_scope
-from shared.states import claim, fail
+from shared.infra.db import session_scope
+from shared.jobs.states import claim, fail
 from tests.integration.helpers import submit, sweeper, wait_job
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from shared.db import session_scope
+from shared.infra.db import session_scope
 from shared.tenants import issue_key
 from tests.integration.helpers import free_port, submit, sweeper
 from tools.processes import wait_until

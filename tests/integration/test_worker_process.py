@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from shared.storage import Storage
+from shared.infra.storage import Storage
 from tests.integration.helpers import free_port, submit, transitions, wait_job
 from tools.processes import ProcessGroup, vidq_argv, wait_for_log
 

@@ -12,9 +12,9 @@ from typing import Any
 import psycopg
 
 from benchmarks.db_data import capture_sql, explain, fill, plan_line, plan_nodes
-from shared.config import Settings, get_settings
-from shared.db import get_engine, session_factory
-from shared.migrate import upgrade
+from shared.infra.config import Settings, get_settings
+from shared.infra.db import get_engine, session_factory
+from shared.infra.migrate import upgrade
 
 JOBS = 200_000
 DUE = 5  # rows made due of each kind
@@ -26,10 +26,10 @@ _MAKE_DUE = [
     "(SELECT id FROM jobs WHERE status = 'running' LIMIT %(n)s)",
     # never sent
     "UPDATE jobs SET enqueued_at = NULL WHERE id IN "
-    "(SELECT id FROM jobs WHERE status = 'queued' AND queue = 'video.high' ORDER BY created_at LIMIT %(n)s)",
+    "(SELECT id FROM jobs WHERE status = 'queued' AND priority_class = 'high' ORDER BY created_at LIMIT %(n)s)",
     # sent two hours ago, never claimed (and overdue for aging)
     "UPDATE jobs SET enqueued_at = now() - interval '2 hours' WHERE id IN "
-    "(SELECT id FROM jobs WHERE status = 'queued' AND queue = 'video.low' ORDER BY created_at LIMIT %(n)s)",
+    "(SELECT id FROM jobs WHERE status = 'queued' AND priority_class = 'low' ORDER BY created_at LIMIT %(n)s)",
     # finished with a webhook, no attempt on record; two more beyond the give-up age
     "UPDATE jobs SET webhook_pending_since = now() - interval '10 min' WHERE id IN "
     "(SELECT id FROM jobs WHERE status = 'failed' AND webhook_url IS NOT NULL LIMIT %(n)s)",

@@ -8,8 +8,8 @@ import uuid
 
 import redis
 
-from shared.broker import TaskMessage, decode, envelope, job_id_of, publisher
-from shared.celery_app import make_celery
+from shared.messaging.broker import TaskMessage, decode, envelope, job_id_of, publisher
+from shared.messaging.celery_app import make_celery
 from shared.queues import TASK_GENERATE, Queue
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.config import Settings
+from shared.infra.config import Settings
 
 
 def test_empty_optional_settings_mean_unset(monkeypatch):

@@ -1,4 +1,4 @@
-"""shared/dispatch.py's rule: a message registered in a unit of work is sent only if its transaction
+"""shared/messaging/dispatch.py's rule: a message registered in a unit of work is sent only if its transaction
 committed, and only after the commit. No services: a SQLite database file holds the unit of work's change, and a
 fake Celery app hands dispatch a publisher that records each send together with what another connection sees
 committed at that moment."""
@@ -16,15 +16,16 @@ import pytest
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.orm import Session
 
-from shared.broker import TaskMessage
-from shared.celery_app import VidqCelery
-from shared.dispatch import Message, send_job_after_commit, send_webhook_after_commit
+from shared.messaging.broker import TaskMessage
+from shared.messaging.celery_app import VidqCelery
+from shared.messaging.dispatch import Message, send_job_after_commit, send_webhook_after_commit
 from shared.models import Job
-from shared.queues import TASK_DELIVER_WEBHOOK, TASK_GENERATE, Queue
+from shared.queues import TASK_DELIVER_WEBHOOK, TASK_GENERATE, PriorityClass, Queue
 
 
 class RecordingPublisher:
-    """Stands in for shared.broker.Publisher: records each batch, and the changes committed when it was sent."""
+    """Stands in for shared.messaging.broker.Publisher: records each batch, and the changes committed when it was
+    sent."""
 
     def __init__(self, database: Path) -> None:
         self.database = database
@@ -89,7 +90,9 @@ def celery(publisher: RecordingPublisher, recorder: RecordingRecorder) -> VidqCe
 
 
 def _queued_job() -> Job:
-    return Job(id=uuid.uuid4(), status="queued", queue=Queue.HIGH.value, traceparent=None, webhook_url=None)
+    return Job(
+        id=uuid.uuid4(), status="queued", priority_class=PriorityClass.HIGH.value, traceparent=None, webhook_url=None
+    )
 
 
 def _change(session: Session, job: Job) -> None:
@@ -132,7 +135,7 @@ def test_a_rolled_back_unit_of_work_sends_nothing(
     assert publisher.sends == [([TaskMessage(TASK_GENERATE, other.id, Queue.HIGH.value, None)], {str(other.id)})]
     assert recorder.recorded == [other.id]
 
-    # A unit of work that fails inside ``Session.begin()`` (as shared.db.session_scope's do) rolls back too.
+    # A unit of work that fails inside ``Session.begin()`` (as shared.infra.db.session_scope's do) rolls back too.
     failed = _queued_job()
     with pytest.raises(RuntimeError, match="the change failed"), Session(engine) as session, session.begin():
         _change(session, failed)
@@ -144,7 +147,13 @@ def test_a_rolled_back_unit_of_work_sends_nothing(
 def test_a_finished_jobs_webhook_is_sent_after_the_commit_and_not_recorded(
     engine: Engine, celery: VidqCelery, publisher: RecordingPublisher, recorder: RecordingRecorder
 ) -> None:
-    job = Job(id=uuid.uuid4(), status="succeeded", queue=Queue.HIGH.value, traceparent=None, webhook_url="https://e.x")
+    job = Job(
+        id=uuid.uuid4(),
+        status="succeeded",
+        priority_class=PriorityClass.HIGH.value,
+        traceparent=None,
+        webhook_url="https://e.x",
+    )
     with Session(engine) as session:
         _change(session, job)
         send_webhook_after_commit(session, celery, job)

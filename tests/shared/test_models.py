@@ -3,7 +3,7 @@ the models declare the same indexes and columns. Marked integration through ``se
 
 from __future__ import annotations
 
-from shared.db import get_engine
+from shared.infra.db import get_engine
 
 
 def test_the_models_indexes_are_the_migrations(settings):

@@ -12,9 +12,9 @@ import openai
 import pytest
 from openai.types import Video as SdkVideo
 
-from shared.config import Settings
+from shared.infra.config import Settings
+from shared.jobs.openai_videos import job_id_of, present_video, video_id
 from shared.models import ApiFlavour, Job
-from shared.openai_videos import job_id_of, present_video, video_id
 from shared.spec import GenerationSpec
 from shared.webhooks.events import event_body, event_type
 from shared.webhooks.schedule import message_id
@@ -51,7 +51,6 @@ def job(status: str, **values: Any) -> Job:
         webhook_url="https://example.com/hook",
         **{name: 0.5 for name in ("score", "score_complexity", "score_resolution", "score_duration")},
         priority_class="low",
-        queue="video.low",
         attempt=0,
         cancel_requested=False,
         timings={},

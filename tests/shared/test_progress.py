@@ -1,4 +1,4 @@
-"""shared/progress.py in this process: the API's hub survives a dropped Redis connection (real Redis, marked
+"""shared/messaging/progress.py in this process: the API's hub survives a dropped Redis connection (real Redis, marked
 integration through ``settings``), and the workers' publisher never raises into a render and stays quiet after a
 failure (no service: a port nothing listens on, and a listener that counts connections).
 
@@ -12,8 +12,8 @@ import uuid
 import redis
 from pydantic import RedisDsn
 
-from shared.config import Settings
-from shared.progress import ProgressHub, ProgressPublisher, ProgressUpdate, Signal
+from shared.infra.config import Settings
+from shared.messaging.progress import ProgressHub, ProgressPublisher, ProgressUpdate, Signal
 from tests.shared.sockets import ClosingListener
 from tools.processes import free_ports
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from shared.config import Settings
-from shared.schemas import JobCreate
+from shared.infra.config import Settings
+from shared.jobs.schemas import JobCreate
 from shared.spec import RESULT_KEY_VERSION, GenerationSpec
 
 SETTINGS = Settings(env="test")
@@ -62,7 +62,7 @@ def test_the_key_hashes_the_whole_spec_under_a_version() -> None:
 
 
 # SPEC's key and BODY's Idempotency-Key fingerprint as the code made them before `precision` existed (computed with
-# that commit's shared/spec.py and shared/schemas.py): jobs and keys stored then must keep matching.
+# that commit's shared/spec.py and shared/jobs/schemas.py): jobs and keys stored then must keep matching.
 KEY_BEFORE_PRECISION = "525cfd814caf6b6ad250c3919f257e1cd2b4713e7d42a2ea11941f153f39cc1d"
 FINGERPRINT_BEFORE_PRECISION = "d15f42094e81fe3cf221df099b8a36254bed71b2ca0b31f1e46c8ab371421586"
 

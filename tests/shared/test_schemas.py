@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from shared.config import Settings
 from shared.errors import InvalidRequest
-from shared.schemas import JobCreate, JobOut
+from shared.infra.config import Settings
+from shared.jobs.schemas import JobCreate, JobOut
 from shared.spec import GenerationSpec
 
 SETTINGS = Settings(env="test")

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from shared.config import Settings
+from shared.infra.config import Settings
+from shared.jobs.scoring import complexity, duration_factor, node_count, resolution_factor, score_job
 from shared.queues import PriorityClass
-from shared.scoring import complexity, duration_factor, node_count, resolution_factor, score_job
 from shared.spec import frames_for
 
 
@@ -39,7 +39,7 @@ def test_node_count_is_the_same_in_another_interpreter():
     # The score picks the queue, so every API replica must count alike: a fresh interpreter with another hash seed
     # (set and str iteration orders change with it) gives the documented count too.
     seed = "1" if os.environ.get("PYTHONHASHSEED") != "1" else "2"
-    code = f"from shared.scoring import node_count; print(node_count({RICH!r}))"
+    code = f"from shared.jobs.scoring import node_count; print(node_count({RICH!r}))"
     out = subprocess.run(
         [sys.executable, "-c", code],
         env={**os.environ, "PYTHONHASHSEED": seed},

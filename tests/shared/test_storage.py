@@ -11,8 +11,8 @@ import urllib3
 from minio import Minio
 from minio.error import S3Error
 
-from shared.config import Settings
-from shared.storage import Storage, ensure_bucket, poster_key, s3_client, video_key
+from shared.infra.config import Settings
+from shared.infra.storage import Storage, ensure_bucket, poster_key, s3_client, video_key
 from tests.shared.sockets import ClosingListener
 from tools.processes import free_ports
 

@@ -1,5 +1,6 @@
-"""shared/tracing.py without processes: off means nothing installed; the sampler of trace roots; which context a job's
-message continues; the headers a message carries. The traces of real processes: tests/integration/test_traces.py."""
+"""shared/infra/tracing.py without processes: off means nothing installed; the sampler of trace roots; which context a
+job's message continues; the headers a message carries. The traces of real processes:
+tests/integration/test_traces.py."""
 
 from __future__ import annotations
 
@@ -14,10 +15,10 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.sampling import Decision, ParentBased
 
-from shared import tracing
-from shared.broker import TaskMessage, decode, envelope
-from shared.celery_app import make_celery
-from shared.config import Settings
+from shared.infra import tracing
+from shared.infra.config import Settings
+from shared.messaging.broker import TaskMessage, decode, envelope
+from shared.messaging.celery_app import make_celery
 
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 

@@ -24,11 +24,11 @@ from typing import Any
 import pytest
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
-from shared.config import Settings
+from shared.infra.config import Settings
+from shared.infra.urls import AddressNotAllowed, IPAddress, check_address, validate_webhook_url
 from shared.webhooks.schedule import message_id, next_delay_s
 from shared.webhooks.signing import USER_AGENT, build_event, new_secret, sign
 from shared.webhooks.transport import EXCERPT_CHARS, DeliveryResult, GuardedBackend, deliver
-from shared.webhooks.urls import AddressNotAllowed, IPAddress, check_address, validate_webhook_url
 
 
 @dataclass

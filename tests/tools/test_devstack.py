@@ -21,7 +21,7 @@ import redis
 from minio import Minio
 from psycopg import sql
 
-from shared.storage import s3_client
+from shared.infra.storage import s3_client
 from tools.devstack import (
     DevStack,
     EmbeddedPostgres,

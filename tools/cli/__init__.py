@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from typing import Annotated, Any
 
 import typer
@@ -16,18 +15,12 @@ app.command("up")(stack.up)
 app.command("demo")(stack.demo)
 app.command("generate")(client.generate)
 
-WORKER_ROLES = {
-    "video": ["video.high", "video.medium", "video.low"],
-    "webhooks": ["vidq.webhooks"],
-    "all": ["video.high", "video.medium", "video.low", "vidq.webhooks"],
-}
-
 
 @app.command()
 def migrate() -> None:
     """Apply database migrations (Alembic) up to head."""
-    from shared.config import get_settings
-    from shared.migrate import upgrade
+    from shared.infra.config import get_settings
+    from shared.infra.migrate import upgrade
 
     upgrade(get_settings())
     typer.echo("database at head")
@@ -39,8 +32,8 @@ def create_key(
     name: Annotated[str, typer.Option(help="a label for this key")] = "",
 ) -> None:
     """Issue an API key for a tenant; prints the key (shown once) and the tenant's webhook secret as JSON."""
-    from shared.config import get_settings
-    from shared.db import session_scope
+    from shared.infra.config import get_settings
+    from shared.infra.db import session_scope
     from shared.tenants import issue_key
 
     with session_scope(get_settings()) as session:
@@ -56,29 +49,16 @@ def api(
     workers: Annotated[int | None, typer.Option(help="API processes (default VIDQ_API_WORKERS); ~1 per core")] = None,
 ) -> None:
     """Run the REST API (uvicorn): one process, or several sharing the port."""
-    import tempfile
-
-    import uvicorn
-
-    from shared.config import get_settings
+    from services.api.main import run
+    from shared.infra.config import get_settings
 
     settings = get_settings()
-    if migrate_first:
-        from shared.migrate import upgrade
-
-        upgrade(settings)
-    processes = workers or settings.api_workers
-    if processes > 1:
-        # Each process writes its metrics to files here; /metrics of any one of them serves the sum.
-        os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", tempfile.mkdtemp(prefix="vidq-api-metrics-"))
-    uvicorn.run(
-        "services.api.app:create_app",
-        factory=True,
+    run(
+        settings,
         host=host or settings.api_host,
         port=port or settings.api_port,
-        workers=processes,
-        log_config=None,
-        timeout_graceful_shutdown=10,
+        workers=workers or settings.api_workers,
+        migrate=migrate_first,
     )
 
 
@@ -94,78 +74,25 @@ def worker(
     ] = "",
 ) -> None:
     """Run a Celery worker. Video workers take video.high, then video.medium, then video.low (strict order)."""
-    if role not in WORKER_ROLES:
-        raise typer.BadParameter(f"role must be one of {sorted(WORKER_ROLES)}")
-    import tempfile
+    from services.worker.main import Role, run, run_gpus
+    from shared.infra.config import get_settings
 
-    from shared.config import get_settings
-
-    if gpus:
-        if role != "video":
-            raise typer.BadParameter("--gpus runs video workers: use it with --role video")
-        raise typer.Exit(code=_gpu_workers(gpus, name=name or "video", preload=preload, metrics_port=metrics_port))
-
-    # Pool children write their metrics here; the main process serves them (prometheus multiprocess mode).
-    os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", tempfile.mkdtemp(prefix="vidq-metrics-"))
+    if role not in set(Role):
+        raise typer.BadParameter(f"role must be one of {sorted(Role)}")
+    settings = get_settings()
     if metrics_port is not None:
-        os.environ["VIDQ_WORKER_METRICS_PORT"] = str(metrics_port)
-    get_settings.cache_clear()
-    settings = get_settings()
-    if settings.worker_cpu_affinity:
-        from services.worker.gpus import apply_affinity
-
-        apply_affinity([int(c) for c in settings.worker_cpu_affinity.split(",") if c.strip()])
-    if role != "webhooks" and preload and not settings.worker_preload_models:
-        # Passed to the pool child (worker_process_init reads it through Settings).
-        os.environ["VIDQ_WORKER_PRELOAD_MODELS"] = json.dumps([settings.default_model])
-        get_settings.cache_clear()
-    if role == "webhooks":  # the CPU-only worker: never imports the render code
-        from services.webhooks.app import celery
-    else:
-        from services.worker.app import celery
-
-    argv = [
-        "worker",
-        "--loglevel=INFO",
-        f"--queues={','.join(WORKER_ROLES[role])}",
-        f"--concurrency={concurrency}",
-        "--pool=prefork",
-        "--prefetch-multiplier=1",
-        "--without-gossip",
-        "--without-mingle",
-        "-E",
-        f"--hostname={name or role}@%h",
-    ]
-    celery.worker_main(argv)  # returns when the worker has stopped, whatever its exit code
-    if role != "webhooks":
-        from services.worker.app import was_hard_stopped
-
-        if was_hard_stopped():  # the pool was killed mid-job: that must not look like a clean stop
-            raise typer.Exit(code=1)
-
-
-def _gpu_workers(spec: str, *, name: str, preload: bool, metrics_port: int | None) -> int:
-    """`vidq worker --gpus`: one pinned video worker per GPU, supervised (services/worker/gpus.py)."""
-    from services.worker.gpus import GpuWorkers, list_gpus, select, worker_env
-    from shared.config import get_settings
-    from shared.logs import configure_logging
-
-    settings = get_settings()
-    configure_logging(level=settings.log_level, json_logs=settings.log_json)
-    try:
-        chosen = select(list_gpus(), spec)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from None
-    port = settings.worker_metrics_port if metrics_port is None else metrics_port
-    extra = [] if preload else ["--no-preload"]
-    workers = GpuWorkers(
-        chosen,
-        argv=lambda gpu: vidq_argv("worker", "--role", "video", "--name", f"{name}-gpu{gpu.index}", *extra),
-        env=lambda gpu, i: worker_env(
-            gpu, os.environ, ordinal=i, metrics_port=port, liveness_file=settings.worker_liveness_file
-        ),
-    )
-    return workers.run()
+        settings = settings.model_copy(update={"worker_metrics_port": metrics_port})
+    if gpus:
+        if role != Role.VIDEO:
+            raise typer.BadParameter("--gpus runs video workers: use it with --role video")
+        try:
+            code = run_gpus(settings, gpus, name=name or "video", preload=preload, vidq=vidq_argv)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from None
+        raise typer.Exit(code=code)
+    code = run(settings, role=Role(role), concurrency=concurrency, name=name, preload=preload)
+    if code:
+        raise typer.Exit(code=code)
 
 
 @app.command("worker-alive")
@@ -176,8 +103,8 @@ def worker_alive(
     process can take a job (ready, or loading its models for less than VIDQ_WORKER_MODEL_LOAD_TIMEOUT_S)."""
     from pathlib import Path
 
-    from shared.config import get_settings
-    from shared.liveness import is_alive, pool_path, pool_problem
+    from shared.infra.config import get_settings
+    from shared.infra.liveness import is_alive, pool_path, pool_problem
 
     settings = get_settings()
     paths = [Path(settings.worker_liveness_file)]
@@ -206,8 +133,8 @@ def flower(
     basic_auth: Annotated[str, typer.Option(help="user:password (recommended outside localhost)")] = "",
 ) -> None:
     """Run Flower on the vidq broker."""
-    from shared.celery_app import make_celery
-    from shared.config import get_settings
+    from shared.infra.config import get_settings
+    from shared.messaging.celery_app import make_celery
 
     celery = make_celery(get_settings())
     args = ["flower", f"--port={port}", "--address=127.0.0.1" if not basic_auth else "--address=0.0.0.0"]
@@ -220,27 +147,12 @@ def flower(
 def sweep(once: Annotated[bool, typer.Option("--once/--forever")] = False) -> None:
     """Run the sweeper (re-sends lost jobs, recovers dead workers' jobs, ages low jobs up). One process is enough;
     more are safe (one at a time acts, under a Postgres advisory lock). SIGTERM ends it after the current tick."""
-    import signal
-    import threading
+    from services.sweeper.main import run
+    from shared.infra.config import get_settings
 
-    from services.sweeper.sweeper import Sweeper
-    from shared.celery_app import make_celery
-    from shared.config import get_settings
-    from shared.db import session_factory
-    from shared.logs import configure_logging
-    from shared.tracing import setup_tracing
-
-    settings = get_settings()
-    configure_logging(level=settings.log_level, json_logs=settings.log_json)
-    setup_tracing("vidq-sweeper", settings)  # its re-sends join their jobs' traces (nothing when tracing is off)
-    sweeper = Sweeper(settings, celery=make_celery(settings), sessions=session_factory(settings))
-    if once:
-        typer.echo(json.dumps(sweeper.sweep_once().__dict__, default=str))
-        return
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    sweeper.run_forever(stop)
+    report = run(get_settings(), once=once)
+    if report is not None:
+        typer.echo(json.dumps(report.__dict__, default=str))
 
 
 @app.command("sweep-alive")
@@ -249,8 +161,8 @@ def sweep_alive() -> None:
     after every tick, failed ones too, so a database outage does not restart it)."""
     from pathlib import Path
 
-    from shared.config import get_settings
-    from shared.liveness import is_alive
+    from shared.infra.config import get_settings
+    from shared.infra.liveness import is_alive
 
     settings = get_settings()
     if not is_alive(Path(settings.sweeper_liveness_file), max_age_s=settings.sweeper_liveness_max_age):
@@ -264,33 +176,12 @@ def prewarmer(once: Annotated[bool, typer.Option("--once/--forever")] = False) -
     """Run the prewarmer: loads the text encoder (GPU if there is one), fills the L2/L3 embedding caches with the
     prompts of queued jobs and the hottest prompts, answers encoder-free workers, and switches to cold-start
     compensation when the hit-rate monitors fall. SIGTERM ends it after the current cycle."""
-    import signal
-    import threading
+    from services.prewarmer.main import run
+    from shared.infra.config import get_settings
 
-    from prometheus_client import start_http_server
-
-    from services.prewarmer.service import Prewarmer, load_encoders
-    from shared.config import get_settings
-    from shared.logs import configure_logging
-    from shared.tracing import setup_tracing
-
-    settings = get_settings()
-    configure_logging(level=settings.log_level, json_logs=settings.log_json)
-    setup_tracing("vidq-prewarmer", settings)  # nothing when tracing is off
-    service = Prewarmer(settings, encoders=load_encoders(settings))
-    if once:
-        report = service.cycle()
+    report = run(get_settings(), once=once)
+    if report is not None:
         typer.echo(json.dumps(report.as_dict()))
-        return
-    if settings.prewarmer_metrics_port:
-        try:
-            start_http_server(settings.prewarmer_metrics_port)
-        except OSError as exc:  # a second prewarmer on this host: keep working, say why there are no metrics
-            typer.echo(f"metrics port {settings.prewarmer_metrics_port} unavailable: {exc}", err=True)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    service.run_forever(stop)
 
 
 @app.command("prewarmer-alive")
@@ -299,8 +190,8 @@ def prewarmer_alive() -> None:
     cycle, failed ones too)."""
     from pathlib import Path
 
-    from shared.config import get_settings
-    from shared.liveness import is_alive
+    from shared.infra.config import get_settings
+    from shared.infra.liveness import is_alive
 
     settings = get_settings()
     if not is_alive(Path(settings.prewarmer_liveness_file), max_age_s=settings.prewarmer_liveness_max_age_s):
@@ -323,7 +214,7 @@ def cache_stats(
     from rich.console import Console
     from rich.table import Table
 
-    from shared.config import get_settings
+    from shared.infra.config import get_settings
     from shared.textcache.stats import stats_for
 
     try:

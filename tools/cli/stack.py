@@ -22,7 +22,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from shared.config import get_settings
+from shared.infra.config import get_settings
 from tools.processes import ProcessGroup, vidq_argv, wait_for_log, wait_http, wait_until
 
 console = Console(stderr=True)

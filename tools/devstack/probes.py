@@ -13,10 +13,9 @@ import urllib3
 from minio.error import MinioException
 from psycopg import errors, sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
-from shared.storage import s3_client
+from shared.infra.redis_clients import client as redis_client
+from shared.infra.storage import s3_client
 
 _DRIVER = re.compile(r"^(postgres(?:ql)?)\+\w+://")
 
@@ -61,13 +60,8 @@ def probe_postgres(url: str, timeout_s: float = 2) -> bool:
 
 def probe_redis(url: str, timeout_s: float = 2) -> bool:
     """True when ``url`` answers PING (a server busy loading its dump counts as not yet up)."""
-    client = redis.Redis.from_url(
-        url,
-        socket_connect_timeout=timeout_s,
-        socket_timeout=timeout_s,
-        # redis-py retries failed commands by default, which would multiply the timeout.
-        retry=Retry(NoBackoff(), 0),
-    )
+    # redis-py retries failed commands by default, which would multiply the timeout.
+    client = redis_client(url, timeout_s=timeout_s, retries=0)
     try:
         return bool(client.ping())
     except (redis.RedisError, OSError):

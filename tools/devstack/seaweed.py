@@ -14,7 +14,7 @@ from types import TracebackType
 
 from minio.helpers import check_bucket_name
 
-from shared.storage import ensure_bucket, s3_client
+from shared.infra.storage import ensure_bucket, s3_client
 from tools.processes import HOST, ManagedProcess, StartupError, free_ports, wait_until
 
 logger = logging.getLogger(__name__)

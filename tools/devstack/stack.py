@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 
 from psycopg.conninfo import conninfo_to_dict
 
-from shared.storage import ensure_bucket, s3_client
+from shared.infra.storage import ensure_bucket, s3_client
 from tools.devstack.embedded import EmbeddedPostgres, EmbeddedRedis
 from tools.devstack.probes import ensure_database, libpq_url, probe_postgres, probe_redis, probe_s3, redact_url
 from tools.devstack.seaweed import SeaweedS3

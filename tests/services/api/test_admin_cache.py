@@ -14,9 +14,9 @@ import httpx
 import pytest
 import redis
 
+from services.api.admin import routes as admin
 from services.api.app import create_app
-from services.api.routes import admin
-from shared.config import Settings
+from shared.infra.config import Settings
 from tools.processes import free_ports
 
 TOKEN = f"operator-{os.urandom(12).hex()}"

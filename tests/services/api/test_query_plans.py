@@ -11,12 +11,13 @@ import pytest
 from sqlalchemy import select
 
 from benchmarks.db_data import explain, plan_line, plan_nodes
-from services.api.jobs_service import decode_cursor, encode_cursor
+from services.api.jobs.service import decode_cursor, encode_cursor
 from services.api.store import list_query, result_source_query
-from shared.config import Settings
-from shared.db import get_engine, session_scope
+from shared.infra.config import Settings
+from shared.infra.db import get_engine, session_scope
+from shared.jobs.repository import has_status
+from shared.jobs.status import JobStatus
 from shared.models import Job
-from shared.states import JobStatus, has_status
 from tests.services.query_plans import HOT_KEY, FilledDatabase, read
 
 PAGE = 100

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from services.api.videos_service import job_request, param_of_cap
-from shared.config import Settings
+from services.api.videos.service import job_request, param_of_cap
 from shared.errors import InvalidRequest
+from shared.infra.config import Settings
 
 SETTINGS = Settings(env="test")
 

@@ -16,7 +16,7 @@ import redis
 import torch
 
 from services.prewarmer.service import MODE_CHANGES, Prewarmer
-from shared.config import Settings
+from shared.infra.config import Settings
 from shared.render.registry import TINY_WAN
 from shared.render.text import TextEncoder
 from shared.textcache.monitor import HitCounter, mode_key

@@ -11,9 +11,9 @@ from typing import Any
 from sqlalchemy import event, func, select, text
 
 from benchmarks.db_data import RUNNING, plan_line
-from services.sweeper.sweeper import _expire_keys, _promote_due, _webhook_retries_due, _webhooks_due
-from shared.db import get_engine, session_scope
-from shared.states import expired_leases, unsent_or_lost
+from shared.infra.db import get_engine, session_scope
+from shared.jobs.repository import expire_keys, expired_leases, promotion_due, unsent_or_lost, webhooks_due
+from shared.webhooks.deliveries import retries_due
 from tests.services.query_plans import DUE, FilledDatabase, plans, read
 
 
@@ -22,21 +22,21 @@ def test_sweeper_queries_read_what_is_due_not_the_table(filled: FilledDatabase):
     with session_scope(settings) as session:
         now = session.execute(select(func.now())).scalar_one()
     # Expired leases: the running set (one row per GPU), whatever the size of the table.
-    (plan,) = plans(settings, lambda s: expired_leases(s, now=now))
+    (plan,) = plans(settings, lambda s: expired_leases(s, now=now, limit=100))
     # (A bitmap scan also counts the entries the made-due UPDATE left behind, until vacuum: + DUE.)
     assert read(plan, "ix_jobs_running") <= RUNNING + DUE, plan_line(plan)
     # Never sent, then lost: one range scan of each queued index.
-    unsent, lost = plans(settings, lambda s: unsent_or_lost(s, now=now, grace_s=10, resend_s=1800))
+    unsent, lost = plans(settings, lambda s: unsent_or_lost(s, now=now, grace_s=10, resend_s=1800, limit=100))
     assert read(unsent, "ix_jobs_queued_unsent") == DUE, plan_line(unsent)
     assert read(lost, "ix_jobs_queued_sent") == DUE, plan_line(lost)
     # Aging: the queued jobs below high whose last send is older than the threshold.
-    (plan,) = plans(settings, lambda s: _promote_due(s, now=now, after_s=300))
+    (plan,) = plans(settings, lambda s: promotion_due(s, now=now, after_s=300, limit=100))
     assert read(plan, "ix_jobs_queued_agable") == DUE, plan_line(plan)
     # Webhooks: the marked jobs only (the recent ones and those to give up).
-    (plan,) = plans(settings, lambda s: _webhooks_due(s, now=now, grace_s=60))
+    (plan,) = plans(settings, lambda s: webhooks_due(s, now=now, grace_s=60, limit=100))
     assert read(plan, "ix_jobs_webhook_pending") == DUE + 2, plan_line(plan)
     # Idempotency keys: a batch by expiry, each deleted through the primary key.
-    (plan,) = plans(settings, lambda s: _expire_keys(s, now=now, limit=1000))
+    (plan,) = plans(settings, lambda s: expire_keys(s, now=now, limit=1000))
     assert read(plan, "ix_idempotency_keys_expires_at") == DUE, plan_line(plan)
     assert read(plan, "idempotency_keys_pkey") == DUE, plan_line(plan)
 
@@ -54,7 +54,7 @@ def test_sweeper_reads_only_the_due_index(settings, clean_state):
     with session_scope(settings) as session:
         event.listen(engine, "before_cursor_execute", capture)
         try:
-            _webhook_retries_due(session, now=datetime.now(UTC), grace_s=60)
+            retries_due(session, now=datetime.now(UTC), grace_s=60, limit=100)
         finally:
             event.remove(engine, "before_cursor_execute", capture)
         (statement, params) = [s for s in sent if "webhook_deliveries" in s[0]][-1]

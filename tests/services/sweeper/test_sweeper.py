@@ -9,12 +9,12 @@ from typing import Any
 
 from sqlalchemy import func, select, update
 
-from services.api.jobs_service import create_job
-from shared.config import Settings
-from shared.db import session_scope
+from services.api.jobs.service import create_job
+from shared.infra.config import Settings
+from shared.infra.db import session_scope
+from shared.jobs.schemas import JobCreate
+from shared.jobs.states import fail
 from shared.models import IdempotencyKey, Job
-from shared.schemas import JobCreate
-from shared.states import fail
 from shared.tenants import get_or_create_tenant
 from tests.integration.helpers import TINY, sweeper
 

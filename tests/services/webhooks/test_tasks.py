@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from services.webhooks.tasks import outcome
-from shared.config import Settings
+from shared.infra.config import Settings
 from shared.webhooks.transport import DeliveryResult
 
 

@@ -220,7 +220,7 @@ def test_the_supervisor_imports_no_torch() -> None:
     import subprocess
 
     code = (
-        "import sys, tools.cli, services.worker.gpus, shared.config, shared.logs; "
+        "import sys, tools.cli, services.worker.gpus, shared.infra.config, shared.infra.logs; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'diffusers', 'transformers')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from services.prewarmer.service import workers_dtype
-from shared.config import Settings
+from shared.infra.config import Settings
 from shared.render.precision import compute_dtype, resolve_device
 
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.attention import SDPBackend
 
-from shared.config import Settings
+from shared.infra.config import Settings
 from shared.render import attention, vae
 from shared.render.attention import FLASH_ATTENTION_4, SDPA_PREFERENCE, flash4_unavailable, use_flash4
 from shared.render.pipeline import RenderResult, VideoPipeline

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.config import Settings
+from shared.infra.config import Settings
+from shared.jobs.schemas import RESOLUTION_PRESETS
 from shared.render.architectures import build_tiny_wan
-from shared.schemas import RESOLUTION_PRESETS
 
 
 @pytest.mark.parametrize("preset", ["480p", "720p"])

@@ -9,7 +9,7 @@ from typing import Any
 import redis
 import torch
 
-from shared.config import Settings
+from shared.infra.config import Settings
 from shared.render.registry import TINY_WAN
 from shared.render.text import TextEncoder, build_text_encoder
 from shared.textcache.codec import unpack

@@ -1,0 +1,1 @@
+"""``/console``: the browser console (its page, script and styles beside this package)."""

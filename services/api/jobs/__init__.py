@@ -1,0 +1,1 @@
+"""``/v1/jobs``: submit, read, list, cancel, and a job's progress stream."""

@@ -1,0 +1,1 @@
+"""``/v1/videos``: OpenAI's videos API over vidq's jobs."""

@@ -1,0 +1,1 @@
+"""What every process stands on: settings, Postgres, S3, logs, traces, liveness files, the URL policy."""

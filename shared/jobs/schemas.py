@@ -1,0 +1,327 @@
+"""Request and response bodies, derived from the one definition of a job's parameters (shared/spec.py).
+
+Requests enforce the pipeline's own rules through the types in shared/spec.py; ``JobCreate.to_spec`` resolves the
+defaults and checks the operator's caps, so the GPU never sees a request it would reject.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import secrets
+import uuid
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from shared.errors import CapExceeded
+from shared.infra.config import Settings
+from shared.infra.urls import validate_webhook_url
+from shared.spec import (
+    PRECISION_DESCRIPTION,
+    PRECISIONS,
+    Dimension,
+    Fps,
+    GenerationSpec,
+    GuidanceScale,
+    Precision,
+    Prompt,
+    Seed,
+    Steps,
+    Text,
+    frames_for,
+)
+
+# Presets are landscape; 1080p is 1088 high because Wan needs multiples of 16.
+RESOLUTION_PRESETS: dict[str, tuple[int, int]] = {
+    "240p": (416, 240),
+    "480p": (832, 480),
+    "720p": (1280, 720),
+    "1080p": (1920, 1088),
+}
+
+MetadataValue = str | int | float | bool | None
+
+
+def _compact_json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+class JobCreate(BaseModel):
+    """``POST /v1/jobs``: the spec's fields, with a duration instead of a frame count, a resolution preset as an
+    alternative to width/height, and defaults (``precision`` left out: the worker's); plus where to send the webhook
+    and the caller's metadata."""
+
+    model_config = ConfigDict(extra="forbid", str_strip_whitespace=True)
+
+    prompt: Prompt
+    negative_prompt: Text = ""
+    duration_s: float = Field(default=1.0, gt=0, allow_inf_nan=False)
+    fps: Fps = 16
+    width: Dimension | None = None
+    height: Dimension | None = None
+    resolution: Literal["240p", "480p", "720p", "1080p"] | None = None
+    steps: Steps = 20
+    guidance_scale: GuidanceScale = 5.0
+    seed: Seed | None = None
+    model: str | None = None
+    precision: Precision | None = Field(default=None, description=PRECISION_DESCRIPTION)
+    webhook_url: str | None = None
+    metadata: dict[str, MetadataValue] = Field(default_factory=dict)
+    cache: bool = Field(
+        default=True,
+        description="false: always render, never reuse a stored result. true (the default): a job whose resolved "
+        "parameters equal those of one of this tenant's succeeded jobs finishes at once with that job's video",
+    )
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, v: dict[str, MetadataValue]) -> dict[str, MetadataValue]:
+        for key, value in v.items():
+            if not 1 <= len(key) <= 64 or "\x00" in key:
+                raise ValueError("metadata keys must be 1..64 characters without NUL")
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"metadata[{key!r}] must be a finite number (JSON has no NaN or Infinity)")
+            if isinstance(value, str) and "\x00" in value:
+                raise ValueError(f"metadata[{key!r}] must not contain NUL characters")
+        return v
+
+    @field_validator("precision", mode="before")
+    @classmethod
+    def _precision(cls, v: object) -> object:
+        if v is not None and v not in PRECISIONS:  # checked before the type, for a message that names the field
+            allowed = " or ".join(repr(p) for p in PRECISIONS)
+            raise ValueError(f"precision must be {allowed}, or left out for the worker's default")
+        return v
+
+    @field_validator("webhook_url")
+    @classmethod
+    def _webhook(cls, v: str | None) -> str | None:
+        # The URL's shape here; whether its host may be private depends on settings (to_spec).
+        return None if v is None else validate_webhook_url(v)
+
+    def to_spec(self, settings: Settings) -> GenerationSpec:
+        """Resolve defaults (resolution, model, seed) and check the operator's caps. Raises CapExceeded (an InvalidRequest, 422)."""
+        problems = self._cap_violations(settings)
+        if problems:
+            raise CapExceeded(
+                "; ".join(m for _, m in problems),
+                details=[{"msg": m} for _, m in problems],
+                fields=[f for f, _ in problems],
+            )
+        width, height = self.size()
+        return GenerationSpec(
+            model=self.model or settings.default_model,
+            prompt=self.prompt,
+            negative_prompt=self.negative_prompt,
+            width=width,
+            height=height,
+            num_frames=self.num_frames,
+            fps=self.fps,
+            steps=self.steps,
+            guidance_scale=self.guidance_scale,
+            seed=self.seed if self.seed is not None else secrets.randbelow(2**32),
+            precision=self.precision,
+        )
+
+    def size(self) -> tuple[int, int]:
+        if self.width is not None and self.height is not None:
+            return self.width, self.height
+        return RESOLUTION_PRESETS[self.resolution or "480p"]
+
+    @property
+    def num_frames(self) -> int:
+        return frames_for(self.duration_s, self.fps)
+
+    def _cap_violations(self, s: Settings) -> list[tuple[str | None, str]]:
+        """(the field it is about, or None for a combination of fields; the message) of each cap broken."""
+        if self.resolution is not None and (self.width is not None or self.height is not None):
+            return [(None, "give either resolution or width/height, not both")]
+        if (self.width is None) != (self.height is None):
+            return [(None, "width and height go together")]
+        timing: list[tuple[str | None, str]] = [
+            (field, message)
+            for failed, field, message in (
+                (self.duration_s > s.max_duration_s, "duration_s", f"duration_s must be at most {s.max_duration_s}"),
+                (not s.min_fps <= self.fps <= s.max_fps, "fps", f"fps must be between {s.min_fps} and {s.max_fps}"),
+            )
+            if failed
+        ]
+        if timing:  # the frame count is only computed from a duration and a rate within their caps (no overflow)
+            return timing
+        width, height = self.size()
+        model = self.model or s.default_model
+        checks: list[tuple[bool, str | None, str]] = [
+            (
+                len(self.prompt) > s.max_prompt_chars,
+                "prompt",
+                f"prompt is longer than {s.max_prompt_chars} characters",
+            ),
+            (
+                len(self.negative_prompt) > s.max_prompt_chars,
+                "negative_prompt",
+                f"negative_prompt is longer than {s.max_prompt_chars} characters",
+            ),
+            (
+                not (width <= s.max_width and height <= s.max_height),
+                "width",
+                f"width must be 16..{s.max_width} and height 16..{s.max_height}",
+            ),
+            (width * height > s.max_pixels, "width", f"width × height must be at most {s.max_pixels} pixels"),
+            (
+                self.num_frames > s.max_frames,
+                "duration_s",
+                f"duration_s × fps gives {self.num_frames} frames; at most {s.max_frames}",
+            ),
+            (self.steps > s.max_steps, "steps", f"steps must be at most {s.max_steps}"),
+            (
+                self.guidance_scale > s.max_guidance_scale,
+                "guidance_scale",
+                f"guidance_scale must be at most {s.max_guidance_scale}",
+            ),
+            (model not in s.models_allowed, "model", f"model must be one of {s.models_allowed}"),
+            (
+                len(_compact_json(self.metadata).encode()) > s.max_metadata_bytes,
+                "metadata",
+                f"metadata must be at most {s.max_metadata_bytes} bytes of JSON (UTF-8, compact)",
+            ),
+        ]
+        problems = [(field, message) for failed, field, message in checks if failed]
+        if self.webhook_url is not None:
+            try:
+                validate_webhook_url(self.webhook_url, allow_private=s.webhook_allow_private)
+            except ValueError as exc:
+                problems.append(("webhook_url", str(exc)))
+        return problems
+
+    def fingerprint(self) -> str:
+        """What makes two submissions 'the same request' for Idempotency-Key (the body as sent, canonical). ``cache``
+        and ``precision`` are part of the body (``false``, or a precision named, is another request), but left out
+        at their defaults so that keys stored before the fields existed still match their retries."""
+        unchanged = {"cache"} if self.cache else set()
+        if self.precision is None:
+            unchanged.add("precision")
+        body = self.model_dump(mode="json", exclude_none=False, exclude=unchanged)
+        return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+class ErrorDetail(BaseModel):
+    code: str
+    message: str
+    details: Any = None
+
+
+class ErrorBody(BaseModel):
+    """Every error response: a stable code, a message for people, and details where they help."""
+
+    error: ErrorDetail
+
+
+# The error statuses of the /v1/jobs routes, for the OpenAPI schema (all share ErrorBody).
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorBody, "description": text}
+    for status, text in [
+        (401, "missing or invalid API key"),
+        (404, "no such job for this tenant"),
+        (409, "the job's state does not allow this"),
+        (422, "invalid request"),
+    ]
+}
+
+
+class ScoreOut(BaseModel):
+    value: float
+    complexity: float
+    resolution: float
+    duration: float
+
+
+class ProgressOut(BaseModel):
+    step: int
+    total: int
+    percent: float
+
+
+class ErrorOut(BaseModel):
+    code: str
+    message: str
+
+
+class OutputOut(BaseModel):
+    url: str
+    expires_at: datetime
+    poster_url: str | None
+    bytes: int
+    sha256: str
+    frames: int
+    fps: int
+    width: int
+    height: int
+
+
+class JobOut(GenerationSpec):
+    """A job as the API shows it: its spec's fields, then its state."""
+
+    id: uuid.UUID
+    status: str
+    duration_s: float
+    score: ScoreOut
+    priority_class: str
+    queue: str
+    attempt: int
+    cancel_requested: bool
+    progress: ProgressOut
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    timings: dict[str, Any]
+    error: ErrorOut | None
+    output: OutputOut | None
+    webhook_url: str | None
+    metadata: dict[str, Any]
+    result_of: uuid.UUID | None = Field(
+        description="the job whose stored video this job reuses (result cache); null when rendered"
+    )
+    links: dict[str, str]
+
+
+class JobPage(BaseModel):
+    data: list[JobOut]
+    next_cursor: str | None
+
+
+class WebhookDeliveryOut(BaseModel):
+    """One delivery attempt. ``next_attempt_at``: when the retry after it was planned (null after the attempt
+    that delivered, or the last one); the latest attempt's value is when the next attempt is due."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int
+    job_id: uuid.UUID
+    event_type: str
+    msg_id: str
+    attempt: int
+    url: str
+    ok: bool
+    status_code: int | None
+    error: str | None
+    duration_ms: int
+    created_at: datetime
+    next_attempt_at: datetime | None
+
+
+class WebhookDeliveryPage(BaseModel):
+    """The latest attempt of each failing delivery, newest first; pass ``next_cursor`` back as ``cursor``."""
+
+    data: list[WebhookDeliveryOut]
+    next_cursor: str | None
+
+
+class RedeliveryOut(BaseModel):
+    """A redelivery queued: one fresh attempt of the job's event, with the same ``webhook-id``."""
+
+    job_id: uuid.UUID
+    event_type: str
+    msg_id: str

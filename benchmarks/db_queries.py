@@ -38,7 +38,7 @@ from sqlalchemy import and_, create_engine, exists, func, or_, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from benchmarks.db_data import QUEUED, RUNNING, capture_sql, explain, fill, plan_line
-from services.api.jobs.service import decode_cursor, encode_cursor
+from services.api.pagination import decode_cursor, encode_cursor
 from services.api.store import list_query
 from services.sweeper.sweeper import Sweeper
 from shared.infra.config import Settings
@@ -174,7 +174,7 @@ def run(args: argparse.Namespace, name: str) -> str:
             ).scalar_one()
             for k in range(10)
         ]
-    cursors = [encode_cursor(job) for job in deep]
+    cursors = [encode_cursor(job.created_at, job.id) for job in deep]
     statuses = [JobStatus.FAILED, JobStatus.SUCCEEDED, JobStatus.CANCELLED]
 
     def page(tenant: uuid.UUID, status: JobStatus | None = None, cursor: str | None = None) -> None:

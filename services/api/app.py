@@ -17,6 +17,7 @@ from services.api.deps import KeyCache
 from services.api.error_handlers import install_error_handlers
 from services.api.jobs import events
 from services.api.jobs import routes as jobs
+from services.api.jobs.progress_hub import ProgressHub
 from services.api.metrics import RequestTiming
 from services.api.store import JobStore
 from services.api.videos import routes as videos
@@ -28,7 +29,6 @@ from shared.infra.logs import configure_logging
 from shared.infra.storage import Storage
 from shared.infra.tracing import setup_tracing
 from shared.messaging.celery_app import make_celery
-from shared.messaging.progress import ProgressHub
 
 log = logging.getLogger("vidq.api")
 
@@ -47,7 +47,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.key_cache = KeyCache(ttl_s=settings.api_key_cache_s)
         app.state.store = JobStore(settings)
         await app.state.store.open()
-        # One Redis pub/sub connection feeds every progress stream of this process (routes/events.py).
+        # One Redis pub/sub connection feeds every progress stream of this process (jobs/events.py).
         app.state.progress_hub = ProgressHub(settings)
         await app.state.progress_hub.start()
         stop = threading.Event()

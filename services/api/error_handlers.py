@@ -21,6 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from kombu.exceptions import OperationalError as BrokerError
 from minio.error import MinioException
+from pydantic import BaseModel
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException
@@ -59,6 +60,30 @@ UNAVAILABLE = (
 OPENAI_PREFIX = "/v1/videos"
 # OpenAI's error types by status (the SDK picks its exception class from the status, and shows the type).
 _OPENAI_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
+
+
+class ErrorDetail(BaseModel):
+    code: str
+    message: str
+    details: Any = None
+
+
+class ErrorBody(BaseModel):
+    """Every error response: a stable code, a message for people, and details where they help."""
+
+    error: ErrorDetail
+
+
+# The error statuses of the /v1/jobs routes, for the OpenAPI schema (all share ErrorBody).
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorBody, "description": text}
+    for status, text in [
+        (401, "missing or invalid API key"),
+        (404, "no such job for this tenant"),
+        (409, "the job's state does not allow this"),
+        (422, "invalid request"),
+    ]
+}
 
 
 def is_openai_path(path: str) -> bool:

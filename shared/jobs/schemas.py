@@ -103,7 +103,8 @@ class JobCreate(BaseModel):
         return None if v is None else validate_webhook_url(v)
 
     def to_spec(self, settings: Settings) -> GenerationSpec:
-        """Resolve defaults (resolution, model, seed) and check the operator's caps. Raises CapExceeded (an InvalidRequest, 422)."""
+        """Resolve defaults (resolution, model, seed) and check the operator's caps. Raises CapExceeded (an
+        InvalidRequest, 422)."""
         problems = self._cap_violations(settings)
         if problems:
             raise CapExceeded(
@@ -207,30 +208,6 @@ class JobCreate(BaseModel):
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
-class ErrorDetail(BaseModel):
-    code: str
-    message: str
-    details: Any = None
-
-
-class ErrorBody(BaseModel):
-    """Every error response: a stable code, a message for people, and details where they help."""
-
-    error: ErrorDetail
-
-
-# The error statuses of the /v1/jobs routes, for the OpenAPI schema (all share ErrorBody).
-ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorBody, "description": text}
-    for status, text in [
-        (401, "missing or invalid API key"),
-        (404, "no such job for this tenant"),
-        (409, "the job's state does not allow this"),
-        (422, "invalid request"),
-    ]
-}
-
-
 class ScoreOut(BaseModel):
     value: float
     complexity: float
@@ -290,38 +267,3 @@ class JobOut(GenerationSpec):
 class JobPage(BaseModel):
     data: list[JobOut]
     next_cursor: str | None
-
-
-class WebhookDeliveryOut(BaseModel):
-    """One delivery attempt. ``next_attempt_at``: when the retry after it was planned (null after the attempt
-    that delivered, or the last one); the latest attempt's value is when the next attempt is due."""
-
-    model_config = ConfigDict(from_attributes=True)
-
-    id: int
-    job_id: uuid.UUID
-    event_type: str
-    msg_id: str
-    attempt: int
-    url: str
-    ok: bool
-    status_code: int | None
-    error: str | None
-    duration_ms: int
-    created_at: datetime
-    next_attempt_at: datetime | None
-
-
-class WebhookDeliveryPage(BaseModel):
-    """The latest attempt of each failing delivery, newest first; pass ``next_cursor`` back as ``cursor``."""
-
-    data: list[WebhookDeliveryOut]
-    next_cursor: str | None
-
-
-class RedeliveryOut(BaseModel):
-    """A redelivery queued: one fresh attempt of the job's event, with the same ``webhook-id``."""
-
-    job_id: uuid.UUID
-    event_type: str
-    msg_id: str

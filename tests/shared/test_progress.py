@@ -12,8 +12,9 @@ import uuid
 import redis
 from pydantic import RedisDsn
 
+from services.api.jobs.progress_hub import ProgressHub
 from shared.infra.config import Settings
-from shared.messaging.progress import ProgressHub, ProgressPublisher, ProgressUpdate, Signal
+from shared.messaging.progress import ProgressPublisher, ProgressUpdate, Signal
 from tests.shared.sockets import ClosingListener
 from tools.processes import free_ports
 

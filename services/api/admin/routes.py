@@ -18,9 +18,9 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, Field
 
+from services.api.error_handlers import ErrorBody
 from shared.errors import Unauthorized
 from shared.infra.config import Settings
-from shared.jobs.schemas import ErrorBody
 from shared.textcache.stats import stats_for
 
 admin_bearer = HTTPBearer(

@@ -27,15 +27,16 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.types import Receive, Scope, Send
 
 from services.api.deps import TenantDep
+from services.api.error_handlers import ERROR_RESPONSES
 from services.api.jobs import service as jobs_service
+from services.api.jobs.progress_hub import ProgressHub, Subscription
 from services.api.store import JobStore
 from shared.errors import NotFound
 from shared.infra.config import Settings
 from shared.infra.storage import Storage
 from shared.jobs.presenters import present_job
-from shared.jobs.schemas import ERROR_RESPONSES
 from shared.jobs.status import JobStatus
-from shared.messaging.progress import ProgressHub, ProgressUpdate, Signal, Subscription
+from shared.messaging.progress import ProgressUpdate, Signal
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=ERROR_RESPONSES)
 log = logging.getLogger("vidq.api.events")

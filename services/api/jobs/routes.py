@@ -8,11 +8,13 @@ from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Request, Response
 
+from services.api import pagination
 from services.api.deps import SessionDep, SettingsDep, TenantDep
+from services.api.error_handlers import ERROR_RESPONSES
 from services.api.jobs import service as jobs_service
 from services.api.jobs import submission
 from shared.jobs.presenters import present_job
-from shared.jobs.schemas import ERROR_RESPONSES, JobCreate, JobOut, JobPage
+from shared.jobs.schemas import JobCreate, JobOut, JobPage
 from shared.jobs.states import request_cancel
 from shared.jobs.status import JobStatus
 from shared.messaging.dispatch import after_transition_commit
@@ -54,7 +56,7 @@ async def list_jobs(
         request.app.state.store,
         tenant_id=tenant.id,
         status=status,
-        limit=min(limit, settings.page_size_max),
+        limit=pagination.page_size(limit, settings),
         cursor=cursor,
     )
     storage = request.app.state.storage

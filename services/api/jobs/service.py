@@ -13,7 +13,6 @@ goes out as any finished job's."""
 
 from __future__ import annotations
 
-import base64
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
@@ -24,6 +23,7 @@ from psycopg import AsyncConnection
 from psycopg.rows import TupleRow
 from sqlalchemy.orm import Session
 
+from services.api import pagination
 from services.api.store import JobStore, ResultSource
 from shared.errors import Conflict, IdempotencyKeyReused, InvalidRequest, NotFound
 from shared.infra.config import Settings
@@ -219,24 +219,14 @@ def get_job(session: Session, *, tenant_id: uuid.UUID, job_id: uuid.UUID) -> Job
     return repository.get(session, tenant_id=tenant_id, job_id=job_id)
 
 
-def encode_cursor(job: Job) -> str:
-    return base64.urlsafe_b64encode(f"{job.created_at.isoformat()}|{job.id}".encode()).decode()
-
-
-def decode_cursor(cursor: str) -> tuple[datetime, uuid.UUID]:
-    try:
-        ts, _, jid = base64.urlsafe_b64decode(cursor.encode()).decode().partition("|")
-        return datetime.fromisoformat(ts), uuid.UUID(jid)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidRequest("invalid cursor") from exc
-
-
 async def list_jobs(
     store: JobStore, *, tenant_id: uuid.UUID, status: JobStatus | None, limit: int, cursor: str | None
 ) -> tuple[list[Job], str | None]:
     """Newest first, ``limit`` a page, with the cursor of the next page (keyset: stable while jobs are added)."""
-    after = decode_cursor(cursor) if cursor is not None else None
+    after = pagination.decode_cursor(cursor) if cursor is not None else None
     async with store.transaction() as conn:
-        rows = await store.page(conn, tenant_id=tenant_id, status=status, limit=limit + 1, after=after)
-    next_cursor = encode_cursor(rows[limit - 1]) if len(rows) > limit else None
-    return rows[:limit], next_cursor
+        rows = await store.page(
+            conn, tenant_id=tenant_id, status=status, limit=pagination.read_size(limit), after=after
+        )
+    page, more = pagination.split(rows, limit)
+    return page, pagination.encode_cursor(page[-1].created_at, page[-1].id) if more else None

@@ -14,6 +14,7 @@ from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from starlette.datastructures import UploadFile
 
+from services.api import pagination
 from services.api.deps import Caller, SessionDep, SettingsDep, TenantDep
 from services.api.jobs import service as jobs_service
 from services.api.jobs import submission
@@ -145,7 +146,7 @@ async def list_videos(
         request.app.state.store,
         tenant_id=tenant.id,
         after=after,
-        limit=min(limit, settings.page_size_max),
+        limit=pagination.page_size(limit, settings),
         order=order,
     )
 

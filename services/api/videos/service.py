@@ -26,6 +26,7 @@ from pydantic import ValidationError
 from sqlalchemy.orm import Session
 from urllib3 import BaseHTTPResponse
 
+from services.api import pagination
 from services.api.jobs import service as jobs_service
 from services.api.store import JobStore
 from shared.errors import CapExceeded, Conflict, InvalidRequest, InvalidTransition, NotFound
@@ -125,14 +126,20 @@ async def list_videos(
             if position is None:
                 raise _invalid("after must be the id of one of your videos", "after")
         rows = await store.page(
-            conn, tenant_id=tenant_id, status=None, limit=limit + 1, after=position, ascending=order == "asc"
+            conn,
+            tenant_id=tenant_id,
+            status=None,
+            limit=pagination.read_size(limit),
+            after=position,
+            ascending=order == "asc",
         )
-    data = [present_video(job) for job in rows[:limit]]
+    page, more = pagination.split(rows, limit)
+    data = [present_video(job) for job in page]
     return VideoPage(
         data=data,
         first_id=data[0].id if data else None,
         last_id=data[-1].id if data else None,
-        has_more=len(rows) > limit,
+        has_more=more,
     )
 
 

@@ -9,10 +9,12 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query, Request
 from sqlalchemy import func, select
 
+from services.api import pagination
 from services.api.deps import SessionDep, SettingsDep, TenantDep
+from services.api.error_handlers import ERROR_RESPONSES
 from services.api.jobs import service as jobs_service
+from services.api.webhooks.schemas import RedeliveryOut, WebhookDeliveryOut, WebhookDeliveryPage
 from shared.errors import Conflict, InvalidRequest
-from shared.jobs.schemas import ERROR_RESPONSES, RedeliveryOut, WebhookDeliveryOut, WebhookDeliveryPage
 from shared.jobs.status import JobStatus
 from shared.messaging.dispatch import send_webhook_after_commit
 from shared.webhooks import deliveries
@@ -42,17 +44,20 @@ def failed_deliveries(
     cursor: str | None = None,
 ) -> WebhookDeliveryPage:
     """The latest attempt of each of the tenant's failing deliveries, newest first (keyset on the attempt id)."""
-    limit = min(limit, settings.page_size_max)
+    limit = pagination.page_size(limit, settings)
     if cursor is not None and not cursor.isdigit():
         raise InvalidRequest("invalid cursor", details={"cursor": cursor})
     rows = deliveries.failing(
-        session, tenant_id=tenant.id, state=state, limit=limit + 1, before_id=None if cursor is None else int(cursor)
+        session,
+        tenant_id=tenant.id,
+        state=state,
+        limit=pagination.read_size(limit),
+        before_id=None if cursor is None else int(cursor),
     )
-    more = len(rows) > limit
-    rows = rows[:limit]
+    page, more = pagination.split(rows, limit)
     return WebhookDeliveryPage(
-        data=[WebhookDeliveryOut.model_validate(r) for r in rows],
-        next_cursor=str(rows[-1].id) if more else None,
+        data=[WebhookDeliveryOut.model_validate(r) for r in page],
+        next_cursor=str(page[-1].id) if more else None,
     )
 
 

@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy import select
 
 from benchmarks.db_data import explain, plan_line, plan_nodes
-from services.api.jobs.service import decode_cursor, encode_cursor
+from services.api.pagination import decode_cursor, encode_cursor
 from services.api.store import list_query, result_source_query
 from shared.infra.config import Settings
 from shared.infra.db import get_engine, session_scope
@@ -29,7 +29,7 @@ def _cursor_at(settings: Settings, tenant: uuid.UUID, depth: int) -> str:
             select(Job).where(Job.tenant_id == tenant).order_by(Job.created_at.desc(), Job.id.desc()).offset(depth)
         ).scalar()
         assert job is not None
-        return encode_cursor(job)
+        return encode_cursor(job.created_at, job.id)
 
 
 @pytest.mark.parametrize(

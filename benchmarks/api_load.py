@@ -93,8 +93,8 @@ class Target:
         self.name, self.src, self.workers = name, src, workers
         self.db = f"vidq_bench_{uuid.uuid4().hex[:8]}"
         self.prefix = f"vidq-bench-{uuid.uuid4().hex[:8]}:"
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.port = 0  # chosen at start: a port picked before another target's load may be taken by then
+        self.url = ""
         self.proc: subprocess.Popen[bytes] | None = None
         self.key = ""
         self.log = Path(tempfile.mkstemp(prefix=f"vidq-bench-{name}-", suffix=".log")[1])
@@ -113,6 +113,8 @@ class Target:
         }
 
     def start(self) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
         with psycopg.connect(PG, autocommit=True) as conn:
             conn.execute(f'CREATE DATABASE "{self.db}"')
         run = [sys.executable, "-m", _cli_module(self.src)]

@@ -1,6 +1,7 @@
-"""shared/messaging/progress.py in this process: the API's hub survives a dropped Redis connection (real Redis, marked
-integration through ``settings``), and the workers' publisher never raises into a render and stays quiet after a
-failure (no service: a port nothing listens on, and a listener that counts connections).
+"""shared/messaging/progress.py and the API's hub (services/api/jobs/progress_hub.py) in this process: the hub survives
+a dropped Redis connection (real Redis, marked integration through ``settings``) and closes whatever its reader
+does; the workers' publisher never raises into a render and stays quiet after a failure (no service: a port nothing
+listens on, and a listener that counts connections).
 
 The ``asyncio.timeout`` guards are hang guards for events expected within a second, not timing assertions."""
 
@@ -54,6 +55,39 @@ def test_the_hub_resubscribes_after_its_connection_drops(settings):
     seen = asyncio.run(scenario())
     publisher.close()
     assert seen == [ProgressUpdate(status="running", step=1, total=4, attempt=1), Signal.RESYNC, Signal.FINISHED]
+
+
+def test_the_hub_closes_although_its_reader_swallowed_a_cancellation():
+    """redis-py can swallow a cancellation that arrives while it connects, and the reader then goes on: a hub
+    closed during its first connect (an API stopped, or failing to bind its port, right after it started) must
+    still close, not wait on that reader forever."""
+    settings = Settings(broker_url=RedisDsn(f"redis://127.0.0.1:{free_ports(1)[0]}/0"))
+    cancels = 0
+
+    async def stubborn_reader() -> None:
+        nonlocal cancels
+        while True:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                cancels += 1
+                if cancels > 1:
+                    raise  # the second cancel ends it; the first is swallowed, as in a connect
+
+    async def scenario() -> tuple[bool, bool]:
+        hub = ProgressHub(settings)
+        reader = hub._task = asyncio.create_task(stubborn_reader())
+        await asyncio.sleep(0)  # the reader is waiting now
+        closing = asyncio.create_task(hub.close())
+        await asyncio.wait({closing}, timeout=HANG_GUARD_S)  # a hang guard that cancels nothing
+        closed = closing.done()
+        for task in (closing, reader):  # after a failure, leave nothing running
+            task.cancel()
+        await asyncio.gather(closing, reader, return_exceptions=True)
+        return closed, reader.done()
+
+    assert asyncio.run(scenario()) == (True, True)
+    assert cancels == 2
 
 
 def _publisher(address: str) -> ProgressPublisher:

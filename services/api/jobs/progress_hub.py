@@ -95,9 +95,7 @@ class ProgressHub:
 
     async def close(self) -> None:
         for task in [*self._background, *([self._task] if self._task is not None else [])]:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await _stop(task)
         for queues in self._queues.values():
             for queue in queues:
                 _offer(queue, Signal.CLOSED)
@@ -247,3 +245,15 @@ def _offer(queue: asyncio.Queue[Message], message: Message) -> None:
         while not queue.empty():
             queue.get_nowait()
         queue.put_nowait(message if isinstance(message, Signal) else Signal.RESYNC)
+
+
+async def _stop(task: asyncio.Task[None]) -> None:
+    """Cancel ``task`` and wait for its end. redis-py can swallow a cancellation that arrives while it connects
+    (the reader then goes on to subscribe and read), so the cancel is repeated until the task is done: a hub closed
+    during its first connect (an API stopped, or failing to bind, right after it started) must not hang the
+    shutdown."""
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=0.5)
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        task.result()

@@ -18,18 +18,16 @@ class VidqError(Exception):
 
 
 class InvalidRequest(VidqError):
+    """``fields``: the request field each problem is about (None for a combination of fields), in the order of the
+    message, where the code that refused the request knows it (the operator's caps: ``JobCreate.to_spec``); an API
+    that names its parameters differently reads them here, never from the message."""
+
     status_code = 422
     code = "invalid_request"
 
-
-class CapExceeded(InvalidRequest):
-    """A request over the operator's caps (``JobCreate.to_spec``). ``fields``: the request field each problem is
-    about (None for a combination of fields), in the order of the message, for an API that names its parameters
-    differently."""
-
-    def __init__(self, message: str, *, details: Any = None, fields: list[str | None]) -> None:
+    def __init__(self, message: str, *, details: Any = None, fields: list[str | None] | None = None) -> None:
         super().__init__(message, details=details)
-        self.fields = fields
+        self.fields = fields or []
 
 
 class UnsupportedMediaType(VidqError):

@@ -14,36 +14,26 @@ from shared.infra.db import dispose_engines
 from shared.infra.logs import configure_logging
 from shared.infra.tracing import active as active_tracing
 from shared.infra.tracing import setup_tracing
-from shared.messaging.celery_app import VidqCelery, make_celery
+from shared.messaging.celery_app import VidqCelery, WorkerApp
 
-_app: VidqCelery | None = None
+_worker = WorkerApp(include=["services.webhooks.tasks"])
 
 
 def build(settings: Settings) -> VidqCelery:
     """The webhook worker's Celery app for ``settings``."""
-    global _app
-    celery = make_celery(settings)
-    celery.conf.include = ["services.webhooks.tasks"]
-    _app = celery
-    return celery
-
-
-def _settings() -> Settings:
-    if _app is None:
-        raise RuntimeError("the webhook worker's app is not built in this process (services.webhooks.app.build)")
-    return _app.settings
+    return _worker.build(settings)
 
 
 @setup_logging.connect
 def _logging(**_: Any) -> None:
-    settings = _settings()
+    settings = _worker.settings
     configure_logging(level=settings.log_level, json_logs=settings.log_json)
 
 
 @worker_process_init.connect
 def _init_child(**_: Any) -> None:
     dispose_engines()  # never share a parent's sockets across fork
-    setup_tracing("vidq-webhooks", _settings(), celery=True)  # nothing when tracing is off
+    setup_tracing("vidq-webhooks", _worker.settings, celery=True)  # nothing when tracing is off
 
 
 @worker_process_shutdown.connect

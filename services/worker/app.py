@@ -40,36 +40,27 @@ from shared.infra.liveness import mark_pool, pool_path
 from shared.infra.logs import configure_logging
 from shared.infra.tracing import active as active_tracing
 from shared.infra.tracing import setup_tracing
-from shared.messaging.celery_app import VidqCelery, make_celery
+from shared.messaging.celery_app import VidqCelery, WorkerApp
 
 log = logging.getLogger("vidq.worker")
 
-_app: VidqCelery | None = None
+# The webhook task is included too, so one worker can serve every queue (``vidq worker --role all``: demo, tests).
+_worker = WorkerApp(include=["services.worker.tasks", "services.webhooks.tasks"])
 
 
 def build(settings: Settings) -> VidqCelery:
     """The worker's Celery app for ``settings``, with its tasks and its liveness step."""
-    global _app
     from services.worker.metrics import LivenessFile
 
-    celery = make_celery(settings)
-    # The webhook task is included too, so one worker can serve every queue (``vidq worker --role all``: demo, tests).
-    celery.conf.include = ["services.worker.tasks", "services.webhooks.tasks"]
+    celery = _worker.build(settings)
     celery.steps["consumer"].add(LivenessFile)
-    _app = celery
     return celery
-
-
-def _settings() -> Settings:
-    if _app is None:
-        raise RuntimeError("the worker's app is not built in this process (services.worker.app.build)")
-    return _app.settings
 
 
 @setup_logging.connect
 def _logging(**_: Any) -> None:
     # Connecting here stops Celery from installing its own handlers: the worker logs JSON like every service.
-    settings = _settings()
+    settings = _worker.settings
     configure_logging(level=settings.log_level, json_logs=settings.log_json)
 
 
@@ -77,7 +68,7 @@ def _logging(**_: Any) -> None:
 def _init_main(**_: Any) -> None:
     from services.worker.metrics import serve_metrics
 
-    settings = _settings()
+    settings = _worker.settings
     # Before any pool process exists: the probe gives the first load its timeout, not the ready file's max age.
     mark_pool(pool_path(Path(settings.worker_liveness_file)), "starting")
     serve_metrics(settings)
@@ -95,7 +86,7 @@ def _load_models() -> None:
     from shared.render.tiers import resolve_tier
     from shared.render.warmup import save_compile_cache, use_compile_cache, warm_up
 
-    settings = _settings()
+    settings = _worker.settings
     try:
         if settings.worker_model_load_delay_s:  # test knob: a slow (or never-ending) model load
             time.sleep(settings.worker_model_load_delay_s)
@@ -124,7 +115,7 @@ def _load_models() -> None:
 def wait_for_models() -> bool:
     """In a task: block until this pool process's models are built. False if they never will be (failed, or still
     loading after VIDQ_WORKER_MODEL_LOAD_TIMEOUT_S); the caller gives its message back, unclaimed."""
-    settings = _settings()
+    settings = _worker.settings
     if not _models_ready.wait(settings.worker_model_load_timeout_s):
         return False
     return not _models_failed.is_set()
@@ -132,7 +123,7 @@ def wait_for_models() -> bool:
 
 @worker_process_init.connect
 def _init_child(**_: Any) -> None:
-    settings = _settings()
+    settings = _worker.settings
     # Only the main process reacts to SIGTERM (a warm shutdown waits for this process's job). Celery already ignores
     # SIGINT here; billiard's kills (hard time limit) escalate to SIGKILL, and so does ours on a hard stop.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -181,7 +172,7 @@ def _install_shutdown_escalation(**_: Any) -> None:
     wait for the job) and hands over to Celery's cold shutdown."""
     if threading.current_thread() is not threading.main_thread():
         return
-    settings = _settings()
+    settings = _worker.settings
     warm: Handler = signal.getsignal(signal.SIGTERM)
     cold: Handler = signal.getsignal(signal.SIGQUIT)
     terms = 0

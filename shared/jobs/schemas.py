@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from shared.errors import CapExceeded
+from shared.errors import InvalidRequest
 from shared.infra.config import Settings
 from shared.infra.urls import validate_webhook_url
 from shared.spec import (
@@ -103,11 +103,11 @@ class JobCreate(BaseModel):
         return None if v is None else validate_webhook_url(v)
 
     def to_spec(self, settings: Settings) -> GenerationSpec:
-        """Resolve defaults (resolution, model, seed) and check the operator's caps. Raises CapExceeded (an
-        InvalidRequest, 422)."""
+        """Resolve defaults (resolution, model, seed) and check the operator's caps. Raises InvalidRequest
+        (422) with the field of each problem."""
         problems = self._cap_violations(settings)
         if problems:
-            raise CapExceeded(
+            raise InvalidRequest(
                 "; ".join(m for _, m in problems),
                 details=[{"msg": m} for _, m in problems],
                 fields=[f for f, _ in problems],

@@ -105,3 +105,23 @@ def make_celery(settings: Settings) -> VidqCelery:
         worker_redirect_stdouts=False,
     )
     return app
+
+
+class WorkerApp:
+    """The one Celery app a worker process runs, built from settings at start-up (never at import), for the code
+    that Celery calls without an app in hand (its signal handlers)."""
+
+    def __init__(self, include: list[str]) -> None:
+        self._include = include
+        self._app: VidqCelery | None = None
+
+    def build(self, settings: Settings) -> VidqCelery:
+        self._app = make_celery(settings)
+        self._app.conf.include = self._include
+        return self._app
+
+    @property
+    def settings(self) -> Settings:
+        if self._app is None:
+            raise RuntimeError("this worker's Celery app is not built yet (build(settings) at start-up)")
+        return self._app.settings

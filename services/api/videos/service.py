@@ -29,7 +29,7 @@ from urllib3 import BaseHTTPResponse
 from services.api import pagination
 from services.api.jobs import service as jobs_service
 from services.api.store import JobStore
-from shared.errors import CapExceeded, Conflict, InvalidRequest, InvalidTransition, NotFound
+from shared.errors import Conflict, InvalidRequest, InvalidTransition, NotFound
 from shared.infra.storage import Storage
 from shared.jobs import repository
 from shared.jobs.openai_videos import VideoPage, job_id_of, present_video
@@ -109,7 +109,7 @@ def _seconds(value: Any) -> float:
 def param_of_cap(error: InvalidRequest) -> InvalidRequest:
     """A refused create with the OpenAI parameter it is about: for a cap violation (``JobCreate.to_spec``), the
     field of its first problem; for anything else, none."""
-    field = error.fields[0] if isinstance(error, CapExceeded) and error.fields else None
+    field = error.fields[0] if error.fields else None
     return _invalid(error.message, None if field is None else _PARAM_OF.get(field, field))
 
 

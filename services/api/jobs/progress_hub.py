@@ -255,5 +255,5 @@ async def _stop(task: asyncio.Task[None]) -> None:
     while not task.done():
         task.cancel()
         await asyncio.wait({task}, timeout=0.5)
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        task.result()
+    with contextlib.suppress(asyncio.CancelledError):
+        task.result()  # a task that failed raises its error here, as an awaited one would

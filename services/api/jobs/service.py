@@ -28,7 +28,6 @@ from services.api.store import JobStore, ResultSource
 from shared.errors import Conflict, IdempotencyKeyReused, InvalidRequest, NotFound
 from shared.infra.config import Settings
 from shared.infra.tracing import current_traceparent
-from shared.jobs import repository
 from shared.jobs.schemas import JobCreate
 from shared.jobs.scoring import score_job
 from shared.jobs.states import RESULT_CACHE, audit, served_from_cache
@@ -212,11 +211,6 @@ async def read(store: JobStore, *, tenant_id: uuid.UUID, job_id: uuid.UUID) -> J
     if job is None:  # another tenant's id is indistinguishable from a missing one (404, never 403)
         raise NotFound("job not found")
     return job
-
-
-def get_job(session: Session, *, tenant_id: uuid.UUID, job_id: uuid.UUID) -> Job:
-    """``read`` for code that holds a session (cancel, the webhook log)."""
-    return repository.get(session, tenant_id=tenant_id, job_id=job_id)
 
 
 async def list_jobs(

@@ -27,7 +27,6 @@ from sqlalchemy.orm import Session
 from urllib3 import BaseHTTPResponse
 
 from services.api import pagination
-from services.api.jobs import service as jobs_service
 from services.api.store import JobStore
 from shared.errors import Conflict, InvalidRequest, InvalidTransition, NotFound
 from shared.infra.storage import Storage
@@ -148,7 +147,7 @@ def delete(session: Session, celery: VidqCelery, *, tenant_id: uuid.UUID, job_id
     (the state machine's cancel, as ``POST /v1/jobs/{id}/cancel``); then the job answers 404 and leaves both APIs'
     lists. Its S3 objects stay: jobs served from the result cache may share them (``jobs.result_of``)."""
     try:
-        job = jobs_service.get_job(session, tenant_id=tenant_id, job_id=job_id)
+        job = repository.get(session, tenant_id=tenant_id, job_id=job_id)
     except NotFound:  # another tenant's, or deleted already
         raise NotFound("video not found") from None
     if not JobStatus(job.status).is_terminal():

@@ -12,9 +12,9 @@ from sqlalchemy import func, select
 from services.api import pagination
 from services.api.deps import SessionDep, SettingsDep, TenantDep
 from services.api.error_handlers import ERROR_RESPONSES
-from services.api.jobs import service as jobs_service
 from services.api.webhooks.schemas import RedeliveryOut, WebhookDeliveryOut, WebhookDeliveryPage
 from shared.errors import Conflict, InvalidRequest
+from shared.jobs import repository
 from shared.jobs.status import JobStatus
 from shared.messaging.dispatch import send_webhook_after_commit
 from shared.webhooks import deliveries
@@ -27,7 +27,7 @@ router = APIRouter(tags=["webhooks"], responses=ERROR_RESPONSES)
 @router.get("/v1/jobs/{job_id}/webhooks", response_model=list[WebhookDeliveryOut])
 def job_webhooks(job_id: uuid.UUID, session: SessionDep, tenant: TenantDep) -> list[WebhookDeliveryOut]:
     """Every delivery attempt of the job, oldest first, each with when the next one was planned."""
-    jobs_service.get_job(session, tenant_id=tenant.id, job_id=job_id)
+    repository.get(session, tenant_id=tenant.id, job_id=job_id)  # 404 for another tenant's job
     return [WebhookDeliveryOut.model_validate(r) for r in deliveries.job_log(session, job_id)]
 
 
@@ -65,7 +65,7 @@ def failed_deliveries(
 def redeliver(job_id: uuid.UUID, request: Request, session: SessionDep, tenant: TenantDep) -> RedeliveryOut:
     """One fresh attempt of the finished job's event, now, whatever happened before (delivered, given up, gone,
     or a retry planned for later). A failed redelivery past the end of the schedule is not retried."""
-    job = jobs_service.get_job(session, tenant_id=tenant.id, job_id=job_id)  # 404 for another tenant's job
+    job = repository.get(session, tenant_id=tenant.id, job_id=job_id)  # 404 for another tenant's job
     if not JobStatus(job.status).is_terminal():
         raise Conflict("the job is not finished: its webhook is sent when it is", details={"status": job.status})
     if not job.webhook_url:

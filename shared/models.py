@@ -82,6 +82,15 @@ class Job(Base):
         ),
         # Sweeper, sent long ago and never claimed (lost message).
         Index("ix_jobs_queued_sent", "enqueued_at", postgresql_where=text("status = 'queued'")),
+        # Worker, fair share (shared/jobs/fairness.py): the oldest queued job of each tenant in a class.
+        Index(
+            "ix_jobs_queued_fair",
+            "priority_class",
+            "tenant_id",
+            "created_at",
+            "id",
+            postgresql_where=text("status = 'queued'"),
+        ),
         # Sweeper, aging: only what can still move up a class ('high' is shared.queues.PriorityClass.HIGH).
         Index(
             "ix_jobs_queued_agable",
@@ -173,6 +182,26 @@ class Job(Base):
     def queue(self) -> str:
         """The video queue of the job's class, where its next message goes."""
         return PriorityClass(self.priority_class).queue.value
+
+
+class FairShare(Base):
+    """A tenant's place in the fair order of one class (shared/jobs/fairness.py): the virtual time its next job
+    would start at. A tenant without a row starts at the class's clock."""
+
+    __tablename__ = "fair_shares"
+
+    priority_class: Mapped[str] = mapped_column(String(8), primary_key=True)
+    tenant_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True)
+    pass_: Mapped[float] = mapped_column("pass", Float)
+
+
+class FairClock(Base):
+    """A class's virtual time: the start time of the job of that class claimed last (shared/jobs/fairness.py)."""
+
+    __tablename__ = "fair_clocks"
+
+    priority_class: Mapped[str] = mapped_column(String(8), primary_key=True)
+    vtime: Mapped[float] = mapped_column(Float)
 
 
 class JobTransition(Base):

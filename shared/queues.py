@@ -30,6 +30,14 @@ class Queue(enum.StrEnum):
         return [cls.HIGH, cls.MEDIUM, cls.LOW]
 
 
+def class_of_queue(queue: str | None) -> PriorityClass | None:
+    """The class whose video queue is ``queue``; None for any other name (or none)."""
+    for klass in PriorityClass:
+        if klass.queue.value == queue:
+            return klass
+    return None
+
+
 # Task names (dotted constants; the only argument of each is an id).
 TASK_GENERATE = "vidq.video.generate"
 TASK_DELIVER_WEBHOOK = "vidq.webhooks.deliver"

@@ -166,7 +166,7 @@ def clean_state(settings) -> Iterator[None]:  # type: ignore[no-untyped-def]
 
     with get_engine(settings).begin() as conn:
         conn.execute(
-            text("TRUNCATE jobs, job_transitions, idempotency_keys, webhook_deliveries, api_keys, tenants CASCADE")
+            text("TRUNCATE jobs, job_transitions, idempotency_keys, webhook_deliveries, api_keys, tenants, fair_clocks CASCADE")
         )
     for url in (str(settings.broker_url), settings.cache_l2_url, settings.cache_l3_url):
         _delete_broker_keys(url, settings.broker_key_prefix)

@@ -12,6 +12,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
@@ -31,13 +32,15 @@ from shared.errors import EmbeddingsUnavailable, JobCancelled, LeaseLost
 from shared.infra.config import Settings
 from shared.infra.db import session_scope
 from shared.infra.storage import Storage, StoredObject, poster_key, video_key
-from shared.infra.tracing import stage_span
+from shared.infra.tracing import continuing, stage_span
+from shared.jobs.fairness import claim_next
 from shared.jobs.states import cancelled_by_worker, claim, fail, release_for_retry, succeed
 from shared.jobs.status import JobStatus
 from shared.messaging.celery_app import VidqCelery
 from shared.messaging.dispatch import after_transition_commit
 from shared.messaging.progress import ProgressPublisher
 from shared.models import Job
+from shared.queues import PriorityClass
 from shared.spec import GenerationSpec
 
 if TYPE_CHECKING:  # the render code (torch) is imported where a job renders, not when the task module loads
@@ -99,15 +102,25 @@ def worker_id() -> str:
 
 
 def run_job(
-    job_id: uuid.UUID, *, settings: Settings, celery: VidqCelery, storage: Storage, progress: ProgressPublisher
+    job_id: uuid.UUID,
+    *,
+    klass: PriorityClass | None,
+    settings: Settings,
+    celery: VidqCelery,
+    storage: Storage,
+    progress: ProgressPublisher,
 ) -> str:
     """Returns what happened ("succeeded", "dropped", "cancelled", "failed", …) for logs, metrics and tests.
+
+    ``klass``: the class whose queue the message came from. The message is then that class's turn, and the job
+    claimed is the class's next one in the fair order between tenants (shared/jobs/fairness.py), usually ``job_id``
+    itself. None: exactly ``job_id`` is claimed, or nothing.
 
     ``progress`` tells the API's progress streams about the claim, each step, and every commit that takes the job
     out of running ("finished": they read Postgres for the rest). It never raises; a lost message only delays a
     stream until its resync."""
     try:
-        outcome = _run_job(job_id, settings=settings, celery=celery, storage=storage, progress=progress)
+        outcome = _run_job(job_id, klass=klass, settings=settings, celery=celery, storage=storage, progress=progress)
     except Exception as exc:
         # Only after the claim (a claim that cannot reach Postgres raises ClaimDeferred): the database stayed
         # down through every retry of the release, fail or cancel. The job is left running under a lease nobody
@@ -124,22 +137,44 @@ def run_job(
 
 
 def _run_job(
-    job_id: uuid.UUID, *, settings: Settings, celery: VidqCelery, storage: Storage, progress: ProgressPublisher
+    message_job_id: uuid.UUID,
+    *,
+    klass: PriorityClass | None,
+    settings: Settings,
+    celery: VidqCelery,
+    storage: Storage,
+    progress: ProgressPublisher,
 ) -> str:
-    ctx = {"job_id": str(job_id)}
+    ctx = {"job_id": str(message_job_id)}
 
-    # 1. Claim: the conditional UPDATE makes a redelivered or duplicate message a no-op.
-    def claim_once() -> tuple[int, str, GenerationSpec] | None:
+    # 1. Claim: the conditional UPDATE makes a redelivered or duplicate message a no-op, or (a class's turn) the claim
+    #    of the class's next job in the fair order.
+    def claim_once() -> Claimed | None:
         with session_scope(settings) as session:
-            job = claim(session, job_id, worker_id=worker_id(), lease_s=settings.lease_s)
+            if klass is None:
+                job = claim(session, message_job_id, worker_id=worker_id(), lease_s=settings.lease_s)
+            else:
+                job = claim_next(
+                    session,
+                    klass,
+                    offered=message_job_id,
+                    worker_id=worker_id(),
+                    lease_s=settings.lease_s,
+                    weights=settings.fair_share_weights,
+                )
             if job is None:
                 return None
             trace.get_current_span().set_attributes(
-                {"vidq.attempt": job.attempt, "vidq.model": job.spec.get("model", ""), "vidq.queue": job.queue}
+                {
+                    "vidq.job_id": str(job.id),
+                    "vidq.attempt": job.attempt,
+                    "vidq.model": job.spec.get("model", ""),
+                    "vidq.queue": job.queue,
+                }
             )
             if job.attempt == 1 and job.started_at is not None:  # a retry's wait would count the failed attempt
                 QUEUE_WAIT.labels(job.priority_class).observe((job.started_at - job.created_at).total_seconds())
-            return job.attempt, str(job.tenant_id), GenerationSpec.from_dict(job.spec)
+            return Claimed(job.id, job.attempt, str(job.tenant_id), GenerationSpec.from_dict(job.spec), job.traceparent)
 
     # Postgres down: the message is this job's only pointer in the broker (acks_late: it is acked when the task
     # returns), so the worker holds it and retries the claim until the database answers — the job then runs the
@@ -150,7 +185,7 @@ def _run_job(
     # lost finds the job running on retry and drops the message: the lease (never renewed) expires and the
     # sweeper re-queues the job.
     try:
-        with stage_span("claim", {"vidq.job_id": str(job_id)}):
+        with stage_span("claim", {"vidq.job_id": str(message_job_id)}):
             claimed = _retry_db(
                 claim_once,
                 settings=settings,
@@ -163,10 +198,30 @@ def _run_job(
             raise ClaimDeferred(f"Postgres unreachable for {settings.worker_claim_wait_s:.0f} s") from exc
         raise
     if claimed is None:
-        log.info("not claimable (already running, finished or cancelled); message dropped", extra=ctx)
+        log.info("nothing to claim (already running, finished or cancelled); message dropped", extra=ctx)
         return "dropped"
-    token, tenant_id, spec = claimed
-    ctx["attempt"] = str(token)
+    # Another job than the message's (its tenant's turn came first): its stages go to its own trace.
+    traceparent = claimed.traceparent if claimed.job_id != message_job_id else None
+    with continuing(traceparent):
+        return _run_claimed(claimed, settings=settings, celery=celery, storage=storage, progress=progress)
+
+
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    """The job a message's claim won, at ``token``, its attempt (the fencing token)."""
+
+    job_id: uuid.UUID
+    token: int
+    tenant_id: str
+    spec: GenerationSpec
+    traceparent: str | None
+
+
+def _run_claimed(
+    claimed: Claimed, *, settings: Settings, celery: VidqCelery, storage: Storage, progress: ProgressPublisher
+) -> str:
+    job_id, token, tenant_id, spec = claimed.job_id, claimed.token, claimed.tenant_id, claimed.spec
+    ctx = {"job_id": str(job_id), "attempt": str(token)}
     log.info("claimed", extra=ctx)
     progress.progress(job_id, status=JobStatus.RUNNING.value, step=0, total=spec.steps, attempt=token)
 

@@ -9,7 +9,7 @@ from celery.exceptions import Reject
 
 from services.worker.app import wait_for_models
 from services.worker.runner import ClaimDeferred, run_job
-from shared.queues import TASK_GENERATE
+from shared.queues import TASK_GENERATE, class_of_queue
 
 
 @shared_task(name=TASK_GENERATE, bind=True, acks_late=True, ignore_result=True)
@@ -20,7 +20,14 @@ def generate(self: Task, job_id: str) -> str:
         raise Reject("models not ready", requeue=True)
     app = self.app
     try:
-        return run_job(uuid.UUID(job_id), settings=app.settings, celery=app, storage=app.storage, progress=app.progress)
+        return run_job(
+            uuid.UUID(job_id),
+            klass=class_of_queue((self.request.delivery_info or {}).get("routing_key")),
+            settings=app.settings,
+            celery=app,
+            storage=app.storage,
+            progress=app.progress,
+        )
     except ClaimDeferred as exc:
         # Postgres has been down for worker_claim_wait_s: put the message back on its queue (a new copy, published
         # before this one is acked) rather than wait into the task's time limit. max_retries=None: a job is never

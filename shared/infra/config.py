@@ -117,6 +117,11 @@ class Settings(BaseSettings):
     # `vidq sweep-alive` fails when that file is older than this; 0 = max(60 s, 6 × sweep_interval_s).
     sweeper_liveness_max_age_s: float = 0.0
 
+    # --- scheduling (shared/jobs/fairness.py, services/api/scheduling/) ----------------------------------------
+    # Fair share inside a class: a tenant's weight by tenant name (JSON, e.g. {"acme": 3}); absent = 1. A tenant of
+    # weight 3 gets three turns for every one of a tenant of weight 1 while both have jobs waiting in the class.
+    fair_share_weights: dict[str, float] = Field(default_factory=dict)
+
     # --- worker -------------------------------------------------------------------------------------------------
     worker_preload_models: list[str] = Field(default_factory=list)  # built in worker_process_init
     # CPUs the worker runs on, comma-separated ("" = all it has); `vidq worker --gpus` sets each worker's to its GPU's
@@ -249,6 +254,13 @@ class Settings(BaseSettings):
     # --- operators ----------------------------------------------------------------------------------------------
     # Bearer token of the operator endpoints (/v1/admin/…: cache statistics). Empty: those endpoints answer 404.
     admin_token: str = ""
+
+    @field_validator("fair_share_weights")
+    @classmethod
+    def _weights(cls, weights: dict[str, float]) -> dict[str, float]:
+        if bad := {name: w for name, w in weights.items() if not w > 0}:
+            raise ValueError(f"fair-share weights must be > 0: {bad}")
+        return weights
 
     @field_validator("worker_warmup_shapes")
     @classmethod

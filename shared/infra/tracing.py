@@ -277,3 +277,19 @@ def stage_span(name: str, attributes: Mapping[str, AttributeValue | None] | None
     exception, if any, is recorded on it. Attributes that are None are left out."""
     clean = {k: v for k, v in (attributes or {}).items() if v is not None}
     return TRACER.start_as_current_span(name, attributes=clean)
+
+
+@contextmanager
+def continuing(traceparent: str | None) -> Iterator[None]:
+    """Run the block in the trace of the job whose stored context is ``traceparent`` (``job_context``): a worker that
+    took a message of one job and claimed another (shared/jobs/fairness.py) records the claimed job's stages in that
+    job's own trace."""
+    context = job_context(traceparent)
+    if context is None:
+        yield
+        return
+    token = otel_context.attach(context)
+    try:
+        yield
+    finally:
+        otel_context.detach(token)

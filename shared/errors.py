@@ -10,6 +10,7 @@ from typing import Any
 class VidqError(Exception):
     status_code = 500
     code = "internal_error"
+    retry_after_s: int | None = None  # set: the client should come back after this many seconds (Retry-After)
 
     def __init__(self, message: str, *, details: Any = None) -> None:
         super().__init__(message)
@@ -48,6 +49,17 @@ class NotFound(VidqError):
 class Conflict(VidqError):
     status_code = 409
     code = "conflict"
+
+
+class QueueFull(VidqError):
+    """The job's class holds as many waiting jobs as the admission watermark allows: nothing was written."""
+
+    status_code = 429
+    code = "queue_full"
+
+    def __init__(self, message: str, *, retry_after_s: int, details: Any = None) -> None:
+        super().__init__(message, details=details)
+        self.retry_after_s = retry_after_s
 
 
 class IdempotencyKeyReused(VidqError):

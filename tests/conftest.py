@@ -85,6 +85,12 @@ def stack_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, st
         "VIDQ_HEARTBEAT_S": "0.5",
         "VIDQ_PROGRESS_MIN_INTERVAL_S": "0.05",
         "VIDQ_ENQUEUE_GRACE_S": "0.5",
+        # The admission watermark is checked on every submit, but far above what any test queues (the watermark's
+        # own tests start an API with the real levels: tests/integration/test_watermark.py).
+        "VIDQ_WATERMARK_IDLE": "100000",
+        "VIDQ_WATERMARK_NORMAL": "100000",
+        "VIDQ_WATERMARK_BUSY": "100000",
+        "VIDQ_WATERMARK_MAX": "100000",
         "VIDQ_SWEEPER_IN_API": "false",
         "VIDQ_WORKER_METRICS_PORT": "0",  # several workers share this host; the metrics test picks a port
         "VIDQ_WEBHOOK_SCHEDULE_S": "[0.2,0.5,1]",  # the Svix schedule, compressed: 4 attempts in under 2 s
@@ -166,7 +172,10 @@ def clean_state(settings) -> Iterator[None]:  # type: ignore[no-untyped-def]
 
     with get_engine(settings).begin() as conn:
         conn.execute(
-            text("TRUNCATE jobs, job_transitions, idempotency_keys, webhook_deliveries, api_keys, tenants, fair_clocks CASCADE")
+            text(
+                "TRUNCATE jobs, job_transitions, idempotency_keys, webhook_deliveries, api_keys, tenants, fair_clocks"
+                " CASCADE"
+            )
         )
     for url in (str(settings.broker_url), settings.cache_l2_url, settings.cache_l3_url):
         _delete_broker_keys(url, settings.broker_key_prefix)

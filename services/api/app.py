@@ -18,6 +18,7 @@ from services.api.error_handlers import install_error_handlers
 from services.api.jobs import events
 from services.api.jobs import routes as jobs
 from services.api.jobs.progress_hub import ProgressHub
+from services.api.jobs.watermark import Watermark
 from services.api.metrics import RequestTiming
 from services.api.store import JobStore
 from services.api.videos import routes as videos
@@ -50,6 +51,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # One Redis pub/sub connection feeds every progress stream of this process (jobs/events.py).
         app.state.progress_hub = ProgressHub(settings)
         await app.state.progress_hub.start()
+        # The admission watermark: the check each submit makes, and this process's share of stepping it.
+        app.state.watermark = Watermark(settings)
+        app.state.watermark.start()
         stop = threading.Event()
         sweeper_thread = None
         if settings.sweeper_in_api:
@@ -61,6 +65,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         stop.set()
         if sweeper_thread is not None:
             sweeper_thread.join(timeout=10)
+        await app.state.watermark.close()
         await app.state.progress_hub.close()
         await app.state.store.close()
         app.state.engine.dispose()

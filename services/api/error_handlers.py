@@ -85,6 +85,16 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     ]
 }
 
+# A submit refused by the admission watermark (shared/scheduling/watermark.py): documented on both submit routes.
+QUEUE_FULL_DESCRIPTION = (
+    "queue_full: the job's priority class already holds as many waiting jobs as the admission watermark allows "
+    "(it follows how busy the GPUs are). Nothing was written; submit again after Retry-After seconds."
+)
+RETRY_AFTER_HEADER = {
+    "description": "Seconds until the backlog is expected to be under the watermark, at the measured service rate",
+    "schema": {"type": "integer"},
+}
+
 
 def is_openai_path(path: str) -> bool:
     return path == OPENAI_PREFIX or path.startswith(OPENAI_PREFIX + "/")
@@ -128,7 +138,8 @@ def envelope(
 def install_error_handlers(app: FastAPI, *, retry_after_s: int) -> None:
     @app.exception_handler(VidqError)
     async def vidq_error(request: Request, exc: VidqError) -> JSONResponse:
-        return envelope(exc.status_code, exc.code, exc.message, exc.details, path=request.url.path)
+        headers = None if exc.retry_after_s is None else {"Retry-After": str(exc.retry_after_s)}
+        return envelope(exc.status_code, exc.code, exc.message, exc.details, headers=headers, path=request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -28,6 +28,7 @@ from urllib3.exceptions import HTTPError as Urllib3Error
 
 from services.worker.lease import Lease
 from services.worker.metrics import BUSY, FAILURES, JOBS, QUEUE_WAIT, STAGE_SECONDS
+from services.worker.utilization import busy, job_done
 from shared.errors import EmbeddingsUnavailable, JobCancelled, LeaseLost
 from shared.infra.config import Settings
 from shared.infra.db import session_scope
@@ -133,6 +134,8 @@ def run_job(
         )
         outcome = "abandoned"
     JOBS.labels(outcome).inc()
+    if outcome not in ("dropped", "abandoned"):  # a claimed job left the queue for good or for another attempt
+        job_done(celery)
     return outcome
 
 
@@ -226,7 +229,7 @@ def _run_claimed(
     progress.progress(job_id, status=JobStatus.RUNNING.value, step=0, total=spec.steps, attempt=token)
 
     try:
-        with Lease(settings, job_id=job_id, token=token, progress=progress) as lease, BUSY.track_inprogress():
+        with Lease(settings, job_id=job_id, token=token, progress=progress) as lease, BUSY.track_inprogress(), busy():
             outcome = _render_and_store(
                 spec, celery=celery, storage=storage, lease=lease, tenant_id=tenant_id, job_id=job_id
             )

@@ -121,6 +121,32 @@ class Settings(BaseSettings):
     # Fair share inside a class: a tenant's weight by tenant name (JSON, e.g. {"acme": 3}); absent = 1. A tenant of
     # weight 3 gets three turns for every one of a tenant of weight 1 while both have jobs waiting in the class.
     fair_share_weights: dict[str, float] = Field(default_factory=dict)
+    # Admission watermark (shared/scheduling/watermark.py): a submit that would take its class's backlog past W is
+    # refused (429 + Retry-After). W moves each cycle toward watermark_idle while the GPUs' mean utilisation is under
+    # watermark_util_idle, watermark_busy while it is over watermark_util_busy, else watermark_normal; by at most
+    # watermark_max_change of itself per cycle, within [watermark_min, watermark_max].
+    watermark_enabled: bool = True
+    watermark_idle: int = Field(default=64, ge=1)
+    watermark_normal: int = Field(default=128, ge=1)
+    watermark_busy: int = Field(default=512, ge=1)
+    watermark_min: int = Field(default=32, ge=1)
+    watermark_max: int = Field(default=512, ge=1)
+    watermark_util_idle: float = Field(default=0.30, ge=0, le=1)
+    watermark_util_busy: float = Field(default=0.85, ge=0, le=1)
+    watermark_max_change: float = Field(default=0.25, gt=0, le=1)
+    scheduling_cycle_s: float = Field(default=1.0, ge=0)  # the stepper's period, fleet-wide
+    scheduling_sample_s: float = Field(default=0.2, gt=0)  # each worker samples its GPU this often
+    scheduling_util_alpha: float = Field(default=0.3, gt=0, le=1)  # EWMA weight of a new utilisation sample
+    scheduling_util_stale_s: float = Field(default=5.0, gt=0)  # a worker silent this long is no longer averaged
+    scheduling_rate_alpha: float = Field(default=0.1, gt=0, le=1)  # EWMA weight of a cycle's service rate
+    # An admitted job counts in its class's backlog from its admission until its message is on the queue; one whose
+    # message is never published (its insert failed, the broker is down) stops counting after this long.
+    scheduling_reserve_s: float = Field(default=10.0, gt=0)
+    scheduling_retry_after_max_s: int = Field(default=300, ge=1)
+    # Each submit asks Redis once, within this long; when that fails, admission stays open (no check) for
+    # scheduling_redis_backoff_s before it asks again: an outage of the scheduling Redis costs no submit its answer.
+    scheduling_redis_timeout_s: float = Field(default=0.25, gt=0)
+    scheduling_redis_backoff_s: float = Field(default=5.0, ge=0)
 
     # --- worker -------------------------------------------------------------------------------------------------
     worker_preload_models: list[str] = Field(default_factory=list)  # built in worker_process_init
@@ -254,6 +280,17 @@ class Settings(BaseSettings):
     # --- operators ----------------------------------------------------------------------------------------------
     # Bearer token of the operator endpoints (/v1/admin/…: cache statistics). Empty: those endpoints answer 404.
     admin_token: str = ""
+
+    @model_validator(mode="after")
+    def _watermark_levels(self) -> Settings:
+        levels = (self.watermark_idle, self.watermark_normal, self.watermark_busy)
+        if not self.watermark_min <= self.watermark_max or not all(
+            self.watermark_min <= w <= self.watermark_max for w in levels
+        ):
+            raise ValueError("watermark levels must lie within [VIDQ_WATERMARK_MIN, VIDQ_WATERMARK_MAX]")
+        if self.watermark_util_idle > self.watermark_util_busy:
+            raise ValueError("VIDQ_WATERMARK_UTIL_IDLE must not exceed VIDQ_WATERMARK_UTIL_BUSY")
+        return self
 
     @field_validator("fair_share_weights")
     @classmethod

@@ -44,9 +44,11 @@ def broker_client(
     )
 
 
-def async_broker_client(settings: Settings, *, retries: int, **options: Any) -> aioredis.Redis:
-    """An asyncio client of the broker's Redis, with the settings' timeout."""
-    timeout = settings.redis_socket_timeout_s
+def async_broker_client(
+    settings: Settings, *, retries: int, timeout_s: float | None = None, **options: Any
+) -> aioredis.Redis:
+    """An asyncio client of the broker's Redis, with the settings' timeout unless ``timeout_s`` says otherwise."""
+    timeout = settings.redis_socket_timeout_s if timeout_s is None else timeout_s
     return aioredis.Redis.from_url(
         str(settings.broker_url),
         socket_timeout=timeout,

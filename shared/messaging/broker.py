@@ -5,7 +5,8 @@ publish path) and one Redis round trip each; under a burst of submits that was t
 (benchmarks/results/api_load_*.md). Here the message is built by Celery itself (``app.amqp.as_task_v2``: task
 protocol 2, the headers and body every Celery worker reads) and wrapped exactly as kombu's Redis transport wraps it
 (JSON envelope, base64 body, ``delivery_info`` of the default exchange, ``delivery_tag``), then LPUSHed to the
-queue's list (with ``broker_key_prefix``) in one pipeline. This module owns the wire format both ways: ``decode`` and
+queue's list (with ``broker_key_prefix``) in one transaction, which also ends each job's admission reservation
+(shared/scheduling/watermark.py). This module owns the wire format both ways: ``decode`` and
 ``job_id_of`` read what is on a queue (the prewarmer and workers look ahead at queued jobs without taking them).
 tests/shared/test_broker.py checks both against messages kombu writes; every integration test's worker consumes
 these messages.
@@ -25,6 +26,7 @@ from celery.utils.nodenames import anon_nodename
 from shared.infra.redis_clients import broker_client
 from shared.infra.tracing import publishing
 from shared.messaging.celery_app import VidqCelery
+from shared.scheduling.watermark import take_reservation
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,11 +76,13 @@ class Publisher:
 
     def publish(self, messages: Sequence[TaskMessage]) -> None:
         """All of ``messages`` in one round trip. Raises redis errors: the caller decides (the sweeper resends)."""
-        pipe = self.client.pipeline(transaction=False)
+        # One transaction: a job's message and the end of its admission reservation are seen together.
+        pipe = self.client.pipeline(transaction=True)
         with publishing(messages) as trace_headers:
             for message, headers in zip(messages, trace_headers, strict=True):
                 body = envelope(self.celery, message, origin=self.origin, trace_headers=headers)
                 pipe.lpush(f"{self.prefix}{message.queue}", body)
+                take_reservation(pipe, self.prefix, queue=message.queue, job_id=message.job_id)
             pipe.execute()
 
 

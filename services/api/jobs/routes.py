@@ -10,7 +10,7 @@ from fastapi import APIRouter, Header, Query, Request, Response
 
 from services.api import pagination
 from services.api.deps import SessionDep, SettingsDep, TenantDep
-from services.api.error_handlers import ERROR_RESPONSES
+from services.api.error_handlers import ERROR_RESPONSES, QUEUE_FULL_DESCRIPTION, RETRY_AFTER_HEADER, ErrorBody
 from services.api.jobs import service as jobs_service
 from services.api.jobs import submission
 from shared.jobs.presenters import present_job
@@ -22,7 +22,18 @@ from shared.messaging.dispatch import after_transition_commit
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=ERROR_RESPONSES)
 
 
-@router.post("", status_code=202, response_model=JobOut)
+@router.post(
+    "",
+    status_code=202,
+    response_model=JobOut,
+    responses={
+        429: {
+            "model": ErrorBody,
+            "description": QUEUE_FULL_DESCRIPTION,
+            "headers": {"Retry-After": RETRY_AFTER_HEADER},
+        }
+    },
+)
 async def submit_job(
     body: JobCreate,
     request: Request,

@@ -33,6 +33,7 @@ from shared.jobs.scoring import score_job
 from shared.jobs.states import RESULT_CACHE, audit, served_from_cache
 from shared.jobs.status import JobStatus
 from shared.models import ApiFlavour, Job
+from shared.queues import PriorityClass
 from shared.spec import GenerationSpec
 
 log = logging.getLogger("vidq.api.jobs")
@@ -87,6 +88,9 @@ def create_job(session: Session, settings: Settings, *, tenant: Caller, body: Jo
 # Whether an object is still stored (the result cache reuses a job's video only while it is): the route passes the
 # process's S3 client, run in a thread.
 Stored = Callable[[str], Awaitable[bool]]
+# The admission check of a job of a class that would wait in its queue (services/api/jobs/watermark.py): returns, or
+# raises QueueFull.
+Admit = Callable[[PriorityClass, uuid.UUID], Awaitable[None]]
 
 
 async def submit(
@@ -97,18 +101,24 @@ async def submit(
     body: JobCreate,
     idempotency_key: str | None,
     stored: Stored | None = None,
+    admit: Admit | None = None,
     flavour: ApiFlavour = ApiFlavour.VIDQ,
 ) -> tuple[Job, bool]:
     """Returns (job, created), committed. With an Idempotency-Key, the same key and body return the first job; the
     same key with another body is refused. The key row and the job row commit together, in one transaction.
-    ``flavour``: the API the request came through (``/v1/jobs`` or ``/v1/videos``)."""
+    ``admit``: asked before a job that would wait in its queue is written (not for a replay, nor for a job served
+    from the result cache); a refusal writes nothing. ``flavour``: the API the request came through (``/v1/jobs``
+    or ``/v1/videos``)."""
     spec = body.to_spec(settings)  # a body over the caps is refused before anything is looked up or written
     if idempotency_key is not None and not 1 <= len(idempotency_key) <= 200:
         raise InvalidRequest("Idempotency-Key must be 1..200 characters")
     values = job_values(settings, tenant_id=tenant.id, body=body, spec=spec, flavour=flavour)
     # The result-cache candidate is checked before the insert's transaction (no connection held across an S3 call).
     source = await _reusable_source(store, values, stored) if body.cache else None
+    queued = admit if source is None else None  # a job served from the result cache never waits
     if idempotency_key is None:
+        if queued is not None:
+            await queued(PriorityClass(values["priority_class"]), values["id"])
         async with store.transaction() as conn:
             return await _insert(store, conn, values, source=source), True
     fingerprint = body.fingerprint()
@@ -116,6 +126,8 @@ async def submit(
         async with store.transaction() as conn:
             existing = await store.live_key(conn, tenant_id=tenant.id, key=idempotency_key)
             if existing is None:
+                if queued is not None:  # a new job: only now is it known that it will wait (a replay does not)
+                    await queued(PriorityClass(values["priority_class"]), values["id"])
                 job = await _insert(store, conn, values, source=source)
                 expires_at = datetime.now(UTC) + timedelta(seconds=settings.idempotency_ttl_s)
                 if not await store.claim_key(

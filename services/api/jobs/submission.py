@@ -38,6 +38,7 @@ async def submit(
         body=body,
         idempotency_key=idempotency_key,
         stored=video_stored(request.app.state.storage, settings),
+        admit=request.app.state.watermark.check,
         flavour=flavour,
     )
     after_submit(request, response, job, created=created, location=location(job))

@@ -16,6 +16,7 @@ from starlette.datastructures import UploadFile
 
 from services.api import pagination
 from services.api.deps import Caller, SessionDep, SettingsDep, TenantDep
+from services.api.error_handlers import QUEUE_FULL_DESCRIPTION, RETRY_AFTER_HEADER
 from services.api.jobs import service as jobs_service
 from services.api.jobs import submission
 from services.api.videos import service as videos_service
@@ -94,7 +95,14 @@ async def _params(request: Request) -> dict[str, Any]:
 @router.post(
     "",
     response_model=Video,
-    responses=_errors((415, "the body is neither JSON nor a form")),
+    responses={
+        **_errors((415, "the body is neither JSON nor a form")),
+        429: {
+            "model": OpenAIErrorBody,
+            "description": QUEUE_FULL_DESCRIPTION,
+            "headers": {"Retry-After": RETRY_AFTER_HEADER},
+        },
+    },
     openapi_extra={
         "requestBody": {
             "required": True,

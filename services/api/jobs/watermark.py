@@ -1,0 +1,116 @@
+"""The API process's side of the admission watermark (shared/scheduling/watermark.py): the check each submit makes,
+and the stepper this process runs in the background.
+
+The check is one Redis call within ``scheduling_redis_timeout_s``. When it fails (the scheduling Redis is down or
+slow), the submit is admitted without a check and so is every submit of the next ``scheduling_redis_backoff_s``:
+during an outage admission stays open, at the cost of one short try per back-off period, never one per submit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+
+import redis
+from prometheus_client import Counter, Gauge
+
+from shared.errors import QueueFull
+from shared.infra.config import Settings
+from shared.infra.redis_clients import async_broker_client, broker_client
+from shared.queues import PriorityClass
+from shared.scheduling.watermark import Snapshot, admit, step
+
+log = logging.getLogger("vidq.api.watermark")
+
+# Every API process exports what the last step it saw set (the same fleet-wide values): the latest one is shown.
+WATERMARK = Gauge(
+    "vidq_api_watermark",
+    "Jobs a class may hold waiting (admission watermark)",
+    ["priority_class"],
+    multiprocess_mode="livemostrecent",
+)
+FLEET_UTILIZATION = Gauge(
+    "vidq_api_fleet_utilization_ratio",
+    "Mean smoothed GPU utilisation of live workers",
+    multiprocess_mode="livemostrecent",
+)
+SERVICE_RATE = Gauge(
+    "vidq_api_service_rate_jobs_per_second",
+    "Jobs finished per second, fleet-wide, smoothed",
+    multiprocess_mode="livemostrecent",
+)
+REFUSED = Counter("vidq_api_watermark_refusals_total", "Submits refused by the watermark", ["priority_class"])
+FAILED_OPEN = Counter("vidq_api_watermark_unavailable_total", "Watermark checks that failed; admission stayed open")
+
+
+class Watermark:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        timeout = settings.scheduling_redis_timeout_s
+        self._client = async_broker_client(settings, retries=0, timeout_s=timeout)
+        self._stepper_client = broker_client(settings, timeout_s=timeout, retries=0)
+        self._open_until = 0.0  # monotonic: no check before this (the last one failed)
+        self._task: asyncio.Task[None] | None = None
+
+    async def check(self, klass: PriorityClass, job_id: uuid.UUID) -> None:
+        """Admit the new job ``job_id`` of ``klass`` or raise ``QueueFull`` (429 + Retry-After)."""
+        settings = self.settings
+        if not settings.watermark_enabled or time.monotonic() < self._open_until:
+            return
+        try:
+            decision = await asyncio.wait_for(
+                admit(self._client, settings, klass, job_id=job_id), settings.scheduling_redis_timeout_s
+            )
+        except (redis.RedisError, OSError, TimeoutError) as exc:
+            self._open_until = time.monotonic() + settings.scheduling_redis_backoff_s
+            FAILED_OPEN.inc()
+            log.warning(
+                "watermark unavailable; admitting without it",
+                extra={"error": repr(exc)[:200], "for_s": settings.scheduling_redis_backoff_s},
+            )
+            return
+        if not decision.admitted:
+            REFUSED.labels(klass.value).inc()
+            raise QueueFull(
+                f"the {klass.value} class holds {decision.backlog} waiting jobs, its limit now "
+                f"({decision.watermark}); submit again later",
+                retry_after_s=decision.retry_after_s(settings),
+                details={"priority_class": klass.value, "backlog": decision.backlog, "watermark": decision.watermark},
+            )
+
+    def start(self) -> None:
+        if self.settings.watermark_enabled:
+            self._task = asyncio.get_running_loop().create_task(self._step_forever(), name="vidq-watermark-stepper")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self._client.aclose()
+        self._stepper_client.close()
+
+    async def _step_forever(self) -> None:
+        period = max(0.1, self.settings.scheduling_cycle_s / 2)  # Redis steps once a cycle, whoever asks
+        warned = False
+        while True:
+            await asyncio.sleep(period)
+            try:
+                snapshot = await asyncio.to_thread(step, self._stepper_client, self.settings)
+            except (redis.RedisError, OSError) as exc:
+                if not warned:  # once per outage
+                    log.warning("watermark stepper: Redis unavailable", extra={"error": repr(exc)[:200]})
+                warned = True
+                continue
+            warned = False
+            _export(snapshot)
+
+
+def _export(snapshot: Snapshot) -> None:
+    for klass, level in snapshot.watermarks.items():
+        WATERMARK.labels(klass.value).set(level)
+    FLEET_UTILIZATION.set(snapshot.utilization)
+    SERVICE_RATE.set(snapshot.rate)

@@ -17,6 +17,7 @@ from services.api.deps import KeyCache
 from services.api.error_handlers import install_error_handlers
 from services.api.jobs import events
 from services.api.jobs import routes as jobs
+from services.api.jobs.estimates import Estimator
 from services.api.jobs.progress_hub import ProgressHub
 from services.api.jobs.watermark import Watermark
 from services.api.metrics import RequestTiming
@@ -54,6 +55,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # The admission watermark: the check each submit makes, and this process's share of stepping it.
         app.state.watermark = Watermark(settings)
         app.state.watermark.start()
+        app.state.estimator = Estimator(settings, app.state.store, workers=app.state.watermark.live_workers)
+        app.state.estimator.start()
         stop = threading.Event()
         sweeper_thread = None
         if settings.sweeper_in_api:
@@ -65,6 +68,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         stop.set()
         if sweeper_thread is not None:
             sweeper_thread.join(timeout=10)
+        await app.state.estimator.close()
         await app.state.watermark.close()
         await app.state.progress_hub.close()
         await app.state.store.close()

@@ -52,6 +52,8 @@ _LIVE_KEY = _sql(repository.LIVE_KEY)
 _CLAIM_KEY = _sql(repository.CLAIM_KEY)
 _INSERT_TRANSITION = _sql(repository.INSERT_TRANSITION)
 _RESULT_SOURCE = _sql(repository.RESULT_SOURCE)
+_QUEUED_WORK = _sql(repository.QUEUED_WORK)
+_RUNNING_WORK = _sql(repository.RUNNING_WORK)
 
 
 def result_source_query(*, tenant_id: uuid.UUID, result_key: str) -> tuple[str, dict[str, Any]]:
@@ -226,3 +228,13 @@ class JobStore:
         cur = await conn.execute(_POSITION, {"id": job_id, "tenant_id": tenant_id})
         row = await cur.fetchone()
         return None if row is None else (row[0], row[1])
+
+    async def queued_work(self, conn: AsyncConnection[TupleRow]) -> list[TupleRow]:
+        """(priority_class, tenant_id, tenant name, created_at, spec) of every queued job, oldest first."""
+        cur = await conn.execute(_QUEUED_WORK)
+        return await cur.fetchall()
+
+    async def running_work(self, conn: AsyncConnection[TupleRow]) -> list[TupleRow]:
+        """(spec, progress_step, started_at) of every running job."""
+        cur = await conn.execute(_RUNNING_WORK)
+        return await cur.fetchall()

@@ -108,7 +108,7 @@ def _load_models() -> None:
         mark_pool(pool_path(Path(settings.worker_liveness_file)), "failed")
     else:
         from services.worker.runner import worker_id
-        from services.worker.utilization import start_sampler
+        from services.worker.scheduling import start_sampler
 
         start_pool_heartbeat(settings)
         start_sampler(settings, worker=worker_id())  # how busy this GPU is, for the admission watermark

@@ -28,7 +28,7 @@ from urllib3.exceptions import HTTPError as Urllib3Error
 
 from services.worker.lease import Lease
 from services.worker.metrics import BUSY, FAILURES, JOBS, QUEUE_WAIT, STAGE_SECONDS
-from services.worker.utilization import busy, job_done
+from services.worker.scheduling import busy, job_done, render_cost
 from shared.errors import EmbeddingsUnavailable, JobCancelled, LeaseLost
 from shared.infra.config import Settings
 from shared.infra.db import session_scope
@@ -414,6 +414,7 @@ def _render_and_store(
         timings["upload"] = round(time.perf_counter() - t0, 4)
     for stage, seconds in timings.items():
         STAGE_SECONDS.labels(stage).observe(seconds)
+    render_cost(celery, spec, timings)  # what this shape costs, for the ETA quotes
     # Stored with the job: stage seconds plus where the render ran.
     record: dict[str, object] = {
         **timings,

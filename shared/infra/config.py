@@ -147,6 +147,10 @@ class Settings(BaseSettings):
     # scheduling_redis_backoff_s before it asks again: an outage of the scheduling Redis costs no submit its answer.
     scheduling_redis_timeout_s: float = Field(default=0.25, gt=0)
     scheduling_redis_backoff_s: float = Field(default=5.0, ge=0)
+    # ETA quotes (services/api/jobs/estimates.py): each API process re-reads the queues and the measured render
+    # costs this often; the last eta_samples renders of each model and shape are kept.
+    eta_refresh_s: float = Field(default=1.0, gt=0)
+    eta_samples: int = Field(default=50, ge=1)
 
     # --- worker -------------------------------------------------------------------------------------------------
     worker_preload_models: list[str] = Field(default_factory=list)  # built in worker_process_init

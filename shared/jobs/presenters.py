@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from shared.infra.config import Settings
 from shared.infra.storage import Storage
-from shared.jobs.schemas import ErrorOut, JobOut, OutputOut, ProgressOut, ScoreOut
+from shared.jobs.schemas import ErrorOut, EstimateOut, JobOut, OutputOut, ProgressOut, ScoreOut
 from shared.models import Job
 from shared.spec import GenerationSpec
 
@@ -14,7 +14,9 @@ def job_links(settings: Settings, job: Job) -> dict[str, str]:
     return {"self": base, "cancel": f"{base}/cancel", "webhooks": f"{base}/webhooks"}
 
 
-def present_job(job: Job, *, settings: Settings, storage: Storage | None) -> JobOut:
+def present_job(
+    job: Job, *, settings: Settings, storage: Storage | None, estimate: EstimateOut | None = None
+) -> JobOut:
     spec = GenerationSpec.from_dict(job.spec)
     total = job.progress_total or spec.steps
     step = total if job.status == "succeeded" else job.progress_step
@@ -61,5 +63,6 @@ def present_job(job: Job, *, settings: Settings, storage: Storage | None) -> Job
         webhook_url=job.webhook_url,
         metadata=job.metadata_ or {},
         result_of=job.result_of,
+        estimate=estimate,
         links=job_links(settings, job),
     )

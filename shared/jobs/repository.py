@@ -38,7 +38,7 @@ from sqlalchemy.orm import Session
 
 from shared.errors import NotFound
 from shared.jobs.status import JobStatus
-from shared.models import IdempotencyKey, Job, JobTransition
+from shared.models import IdempotencyKey, Job, JobTransition, Tenant
 from shared.queues import PriorityClass
 
 # --- which jobs a tenant sees ----------------------------------------------------------------------------------
@@ -136,6 +136,17 @@ INSERT_TRANSITION: Insert = insert(JobTransition).values(
 )
 
 # --- idempotency keys --------------------------------------------------------------------------------------------
+
+# The work the ETA quotes count (services/api/jobs/estimates.py): every queued job (ix_jobs_queued_fair; the admission
+# watermark bounds how many) with its tenant's name (fair-share weights are by name), and every running job
+# (ix_jobs_running: as many as there are GPUs).
+QUEUED_WORK = (
+    select(Job.priority_class, Job.tenant_id, Tenant.name, Job.created_at, Job.spec)
+    .join(Tenant, Tenant.id == Job.tenant_id)
+    .where(Job.status == JobStatus.QUEUED.value)
+    .order_by(Job.created_at, Job.id)
+)
+RUNNING_WORK = select(Job.spec, Job.progress_step, Job.started_at).where(Job.status == JobStatus.RUNNING.value)
 
 LIVE_KEY = select(IdempotencyKey.request_hash, IdempotencyKey.job_id).where(
     IdempotencyKey.tenant_id == bindparam("tenant_id"),

@@ -238,6 +238,17 @@ class OutputOut(BaseModel):
     height: int
 
 
+class EstimateOut(BaseModel):
+    """When a waiting or running job is expected to start and finish, quoted from the render times the workers
+    measured and the work ahead of it in the queues (higher classes, its share of its own class, what is running)."""
+
+    start_at: datetime
+    finish_at: datetime
+    gpu_seconds: float = Field(description="seconds of a worker's GPU the job itself is expected to take")
+    work_ahead_s: float = Field(description="GPU seconds of work expected to start before this job")
+    workers: int = Field(description="workers the quote counts on")
+
+
 class JobOut(GenerationSpec):
     """A job as the API shows it: its spec's fields, then its state."""
 
@@ -260,6 +271,11 @@ class JobOut(GenerationSpec):
     metadata: dict[str, Any]
     result_of: uuid.UUID | None = Field(
         description="the job whose stored video this job reuses (result cache); null when rendered"
+    )
+    estimate: EstimateOut | None = Field(
+        default=None,
+        description="the ETA quote of a queued or running job; null once it finished, or while no render of its "
+        "model was measured or no worker is alive",
     )
     links: dict[str, str]
 

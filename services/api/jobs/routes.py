@@ -51,7 +51,8 @@ async def submit_job(
         idempotency_key=idempotency_key,
         location=lambda job: f"/v1/jobs/{job.id}",
     )
-    return present_job(job, settings=settings, storage=request.app.state.storage)
+    estimate = request.app.state.estimator.quote(job)
+    return present_job(job, settings=settings, storage=request.app.state.storage, estimate=estimate)
 
 
 @router.get("", response_model=JobPage)
@@ -70,14 +71,18 @@ async def list_jobs(
         limit=pagination.page_size(limit, settings),
         cursor=cursor,
     )
-    storage = request.app.state.storage
-    return JobPage(data=[present_job(j, settings=settings, storage=storage) for j in jobs], next_cursor=next_cursor)
+    storage, quote = request.app.state.storage, request.app.state.estimator.quote
+    return JobPage(
+        data=[present_job(j, settings=settings, storage=storage, estimate=quote(j)) for j in jobs],
+        next_cursor=next_cursor,
+    )
 
 
 @router.get("/{job_id}", response_model=JobOut)
 async def get_job(job_id: uuid.UUID, request: Request, settings: SettingsDep, tenant: TenantDep) -> JobOut:
     job = await jobs_service.read(request.app.state.store, tenant_id=tenant.id, job_id=job_id)
-    return present_job(job, settings=settings, storage=request.app.state.storage)
+    estimate = request.app.state.estimator.quote(job)
+    return present_job(job, settings=settings, storage=request.app.state.storage, estimate=estimate)
 
 
 @router.post("/{job_id}/cancel", status_code=202, response_model=JobOut)

@@ -54,6 +54,7 @@ class Watermark:
         self._stepper_client = broker_client(settings, timeout_s=timeout, retries=0)
         self._open_until = 0.0  # monotonic: no check before this (the last one failed)
         self._task: asyncio.Task[None] | None = None
+        self.last: Snapshot | None = None  # what the last step (this process's or another's) set
 
     async def check(self, klass: PriorityClass, job_id: uuid.UUID) -> None:
         """Admit the new job ``job_id`` of ``klass`` or raise ``QueueFull`` (429 + Retry-After)."""
@@ -82,8 +83,12 @@ class Watermark:
             )
 
     def start(self) -> None:
-        if self.settings.watermark_enabled:
-            self._task = asyncio.get_running_loop().create_task(self._step_forever(), name="vidq-watermark-stepper")
+        """Step in the background (also with the check off: the live workers and the service rate it measures are
+        the ETA quotes' too)."""
+        self._task = asyncio.get_running_loop().create_task(self._step_forever(), name="vidq-watermark-stepper")
+
+    def live_workers(self) -> int | None:
+        return None if self.last is None else self.last.workers
 
     async def close(self) -> None:
         if self._task is not None:
@@ -106,6 +111,7 @@ class Watermark:
                 warned = True
                 continue
             warned = False
+            self.last = snapshot
             _export(snapshot)
 
 

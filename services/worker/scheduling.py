@@ -1,10 +1,11 @@
-"""How busy this pool process's GPU is, for the admission watermark (shared/scheduling/watermark.py).
+"""What a worker tells the scheduler: how busy its GPU is (the admission watermark, shared/scheduling/watermark.py),
+how many jobs it finished (the service rate), and what each render cost (the ETA quotes, shared/scheduling/costs.py).
 
 A daemon thread of the pool process samples every ``scheduling_sample_s``: the GPU's utilisation from NVML when the
 process renders on a GPU NVML can see, otherwise (a CPU worker) whether a render is running right then (``busy``).
 It smooths the samples (EWMA, ``scheduling_util_alpha``) and publishes the result to Redis under this worker's id.
-``job_done`` counts each finished job there, for the fleet's service rate. Both are best effort, with short
-timeouts: the watermark's Redis being down never touches a render.
+``job_done`` counts each finished job there, for the fleet's service rate, and ``render_cost`` records each render's
+stage seconds. All are best effort, with short timeouts: the scheduling Redis being down never touches a render.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ import redis
 from shared.infra.config import Settings
 from shared.infra.redis_clients import broker_client
 from shared.messaging.celery_app import VidqCelery
+from shared.scheduling import costs
 from shared.scheduling.watermark import count_done, publish_utilization
+from shared.spec import GenerationSpec
 
 log = logging.getLogger("vidq.worker.utilization")
 
@@ -94,11 +97,22 @@ def start_sampler(settings: Settings, *, worker: str) -> None:
 
 def job_done(celery: VidqCelery) -> None:
     """Count one finished job for the service rate; never raises."""
-    settings = celery.settings
-    client = celery.resource(
-        "scheduling-redis", lambda: broker_client(settings, timeout_s=settings.scheduling_redis_timeout_s, retries=0)
-    )
     try:
-        count_done(client, settings)
+        count_done(_client(celery), celery.settings)
     except (redis.RedisError, OSError) as exc:
         log.debug("finished job not counted", extra={"error": repr(exc)[:200]})
+
+
+def render_cost(celery: VidqCelery, spec: GenerationSpec, stages_s: dict[str, float]) -> None:
+    """Record what a render of ``spec`` cost (its stage seconds); never raises."""
+    try:
+        costs.record(_client(celery), celery.settings, spec, stages_s)
+    except (redis.RedisError, OSError) as exc:
+        log.debug("render cost not recorded", extra={"error": repr(exc)[:200]})
+
+
+def _client(celery: VidqCelery) -> redis.Redis:
+    settings = celery.settings
+    return celery.resource(
+        "scheduling-redis", lambda: broker_client(settings, timeout_s=settings.scheduling_redis_timeout_s, retries=0)
+    )

@@ -231,10 +231,10 @@ class JobStore:
 
     async def queued_work(self, conn: AsyncConnection[TupleRow]) -> list[TupleRow]:
         """(priority_class, tenant_id, tenant name, created_at, spec) of every queued job, oldest first."""
-        cur = await conn.execute(_QUEUED_WORK)
+        cur = await conn.execute(_QUEUED_WORK, {"status": JobStatus.QUEUED.value})
         return await cur.fetchall()
 
     async def running_work(self, conn: AsyncConnection[TupleRow]) -> list[TupleRow]:
         """(spec, progress_step, started_at) of every running job."""
-        cur = await conn.execute(_RUNNING_WORK)
+        cur = await conn.execute(_RUNNING_WORK, {"status": JobStatus.RUNNING.value})
         return await cur.fetchall()

@@ -143,10 +143,10 @@ INSERT_TRANSITION: Insert = insert(JobTransition).values(
 QUEUED_WORK = (
     select(Job.priority_class, Job.tenant_id, Tenant.name, Job.created_at, Job.spec)
     .join(Tenant, Tenant.id == Job.tenant_id)
-    .where(Job.status == JobStatus.QUEUED.value)
+    .where(Job.status == bindparam("status"))
     .order_by(Job.created_at, Job.id)
 )
-RUNNING_WORK = select(Job.spec, Job.progress_step, Job.started_at).where(Job.status == JobStatus.RUNNING.value)
+RUNNING_WORK = select(Job.spec, Job.progress_step, Job.started_at).where(Job.status == bindparam("status"))
 
 LIVE_KEY = select(IdempotencyKey.request_hash, IdempotencyKey.job_id).where(
     IdempotencyKey.tenant_id == bindparam("tenant_id"),

@@ -80,6 +80,10 @@ def frames_for(duration_s: float, fps: int) -> int:
     return 4 * math.ceil((wanted - 1) / 4) + 1
 
 
+# The fields a batch's videos share (``GenerationSpec.batch_key``).
+BATCH_FIELDS = ("model", "precision", "num_frames", "height", "width", "steps", "guidance_scale")
+
+
 class GenerationSpec(BaseModel):
     """What a worker needs to render one video: every value resolved at submit, except ``precision``, which may be
     left to the worker (``None``: the worker renders in its ``VIDQ_WORKER_PRECISION``).
@@ -107,6 +111,11 @@ class GenerationSpec(BaseModel):
         ``None`` (a job that names no precision is stored, and keyed, as before the field existed)."""
         unset = {name for name, field in type(self).model_fields.items() if field.default is None}
         return self.model_dump(mode="json", exclude={name for name in unset if getattr(self, name) is None})
+
+    def batch_key(self) -> dict[str, Any]:
+        """What videos must share to render in one batch: the model, the precision tier asked for, the shape, the
+        steps and the guidance (prompts, negative prompts and seeds may differ)."""
+        return {name: getattr(self, name) for name in BATCH_FIELDS}
 
     def result_key(self) -> str:
         """The result cache's match key: sha256 (hex) of the canonical JSON (sorted keys, compact) of EVERY field

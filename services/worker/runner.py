@@ -7,32 +7,29 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
-from functools import partial
-from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from celery.exceptions import SoftTimeLimitExceeded
-from minio.error import InvalidResponseError, S3Error, ServerError
+from minio.error import S3Error
 from opentelemetry import trace
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session
-from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_delay, wait_random_exponential
+from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_delay
 from urllib3.exceptions import HTTPError as Urllib3Error
 
+from services.worker.batching import Claimed, gather_riders
 from services.worker.lease import Lease
-from services.worker.metrics import BUSY, FAILURES, JOBS, QUEUE_WAIT, STAGE_SECONDS
-from services.worker.scheduling import busy, job_done, render_cost
+from services.worker.metrics import BUSY, FAILURES, JOBS, QUEUE_WAIT
+from services.worker.render import Rendered, backoff, render_members, store
+from services.worker.scheduling import busy, job_done
 from shared.errors import EmbeddingsUnavailable, JobCancelled, LeaseLost
 from shared.infra.config import Settings
 from shared.infra.db import session_scope
-from shared.infra.storage import Storage, StoredObject, poster_key, video_key
+from shared.infra.storage import Storage
 from shared.infra.tracing import continuing, stage_span
 from shared.jobs.fairness import claim_next
 from shared.jobs.states import cancelled_by_worker, claim, fail, release_for_retry, succeed
@@ -45,7 +42,7 @@ from shared.queues import PriorityClass
 from shared.spec import GenerationSpec
 
 if TYPE_CHECKING:  # the render code (torch) is imported where a job renders, not when the task module loads
-    from shared.render.pipeline import RenderResult, VideoPipeline
+    pass
 
 log = logging.getLogger("vidq.worker.runner")
 
@@ -63,12 +60,6 @@ def db_unreachable(exc: BaseException) -> bool:
     return isinstance(exc, DBAPIError) and bool(exc.connection_invalidated)
 
 
-def _backoff(settings: Settings) -> wait_random_exponential:
-    """Exponential from ``worker_db_retry_base_s``, ×2, capped at ``worker_db_retry_max_s``, full jitter: a
-    dependency that comes back is seen within about the cap."""
-    return wait_random_exponential(multiplier=settings.worker_db_retry_base_s, max=settings.worker_db_retry_max_s)
-
-
 def _retry_db(fn: Callable[[], T], *, settings: Settings, deadline: float, what: str, ctx: dict[str, str]) -> T:
     """``fn()`` again and again while Postgres is unreachable, until ``deadline`` (time.monotonic()); then the
     last error is raised. Any other error is raised at once."""
@@ -81,7 +72,7 @@ def _retry_db(fn: Callable[[], T], *, settings: Settings, deadline: float, what:
     retrying = Retrying(
         retry=retry_if_exception(db_unreachable),
         stop=stop_after_delay(max(0.0, deadline - time.monotonic())),
-        wait=_backoff(settings),
+        wait=backoff(settings),
         before_sleep=log_wait,
         reraise=True,
     )
@@ -203,36 +194,64 @@ def _run_job(
     if claimed is None:
         log.info("nothing to claim (already running, finished or cancelled); message dropped", extra=ctx)
         return "dropped"
+    # Compatible jobs waiting in the same class ride along in one batch where the batch table says it pays.
+    riders = gather_riders(claimed, klass=klass, celery=celery, worker=worker_id()) if klass is not None else []
     # Another job than the message's (its tenant's turn came first): its stages go to its own trace.
     traceparent = claimed.traceparent if claimed.job_id != message_job_id else None
     with continuing(traceparent):
-        return _run_claimed(claimed, settings=settings, celery=celery, storage=storage, progress=progress)
+        outcomes = _run_members(
+            [claimed, *riders], settings=settings, celery=celery, storage=storage, progress=progress
+        )
+    for rider, outcome in zip(riders, outcomes[1:], strict=True):  # the message's own outcome is run_job's
+        JOBS.labels(outcome).inc()
+        job_done(celery)
+        log.info("batch member done", extra={"job_id": str(rider.job_id), "outcome": outcome})
+    return outcomes[0]
 
 
-@dataclass(frozen=True, slots=True)
-class Claimed:
-    """The job a message's claim won, at ``token``, its attempt (the fencing token)."""
-
-    job_id: uuid.UUID
-    token: int
-    tenant_id: str
-    spec: GenerationSpec
-    traceparent: str | None
-
-
-def _run_claimed(
-    claimed: Claimed, *, settings: Settings, celery: VidqCelery, storage: Storage, progress: ProgressPublisher
-) -> str:
-    job_id, token, tenant_id, spec = claimed.job_id, claimed.token, claimed.tenant_id, claimed.spec
-    ctx = {"job_id": str(job_id), "attempt": str(token)}
-    log.info("claimed", extra=ctx)
-    progress.progress(job_id, status=JobStatus.RUNNING.value, step=0, total=spec.steps, attempt=token)
-
+def _run_members(
+    members: list[Claimed], *, settings: Settings, celery: VidqCelery, storage: Storage, progress: ProgressPublisher
+) -> list[str]:
+    """Render the claimed jobs (one, or a batch) and see each to its end: stored and finalized, or released, failed
+    or cancelled on its own. Each has its own lease, fencing token, progress and cancel from its claim on."""
+    leases = []
+    for member in members:
+        log.info("claimed", extra={"job_id": str(member.job_id), "attempt": str(member.token)})
+        progress.progress(
+            member.job_id, status=JobStatus.RUNNING.value, step=0, total=member.spec.steps, attempt=member.token
+        )
+        leases.append(Lease(settings, job_id=member.job_id, token=member.token, progress=progress).__enter__())
     try:
-        with Lease(settings, job_id=job_id, token=token, progress=progress) as lease, BUSY.track_inprogress(), busy():
-            outcome = _render_and_store(
-                spec, celery=celery, storage=storage, lease=lease, tenant_id=tenant_id, job_id=job_id
-            )
+        with BUSY.track_inprogress(), busy():
+            rendered = render_members(members, leases, celery=celery)
+        return [
+            _complete(member, lease, result, settings=settings, celery=celery, storage=storage)
+            for member, lease, result in zip(members, leases, rendered, strict=True)
+        ]
+    finally:
+        for lease in leases:  # those _complete did not close (it raised)
+            lease.__exit__(None, None, None)
+
+
+def _complete(
+    member: Claimed,
+    lease: Lease,
+    rendered: Rendered | Exception,
+    *,
+    settings: Settings,
+    celery: VidqCelery,
+    storage: Storage,
+) -> str:
+    """One rendered job's end: its video stored and the job finalized, or what its error calls for."""
+    job_id, token, tenant_id, spec = member.job_id, member.token, member.tenant_id, member.spec
+    ctx = {"job_id": str(job_id), "attempt": str(token)}
+    try:
+        try:
+            if isinstance(rendered, Exception):
+                raise rendered
+            outcome = store(spec, rendered, celery=celery, storage=storage, lease=lease, tenant_id=tenant_id)
+        finally:
+            lease.__exit__(None, None, None)
 
         # 5. Finalize only with our fencing token: a stale attempt changes nothing, so retrying it while Postgres
         #    is down is safe (for up to a lease: by then the sweeper may have handed the job to another attempt).
@@ -320,173 +339,3 @@ def _fail(
     FAILURES.labels(code).inc()
     _settle(settings, celery, lambda s: fail(s, job_id, token=token, code=code, message=message))
     return "failed"
-
-
-def s3_unreachable(exc: BaseException) -> bool:
-    """S3 down, throttling or failing on its side (worth waiting for), not a refused request (bad credentials…).
-    A 5xx without an S3 error document (a proxy or load balancer in front of S3 answering for it, a gateway
-    timeout) is minio's ServerError or InvalidResponseError: as much an outage as a connection refused."""
-    if isinstance(exc, S3Error):
-        status = getattr(exc.response, "status", 0) or 0
-        return status >= 500 or exc.code in {"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout"}
-    if isinstance(exc, ServerError):
-        return exc.status_code >= 500
-    if isinstance(exc, InvalidResponseError):
-        return (getattr(exc, "_code", 0) or 0) >= 500
-    return isinstance(exc, Urllib3Error | ConnectionError | TimeoutError)
-
-
-def _upload(
-    storage: Storage, key: str, path: Path, *, content_type: str, settings: Settings, lease: Lease, ctx: dict[str, str]
-) -> StoredObject:
-    """Upload under a deterministic key, retried while S3 is unreachable for up to ``worker_upload_retry_s`` (the
-    lease keeps being renewed meanwhile): an S3 outage delays the job, it does not spend one of its attempts."""
-
-    def log_wait(state: RetryCallState) -> None:
-        error = state.outcome.exception() if state.outcome else None
-        log.warning("S3 unreachable at upload; retrying", extra={**ctx, "key": key, "error": repr(error)[:300]})
-
-    for attempt in Retrying(
-        retry=retry_if_exception(s3_unreachable),
-        stop=stop_after_delay(settings.worker_upload_retry_s),
-        wait=_backoff(settings),
-        before_sleep=log_wait,
-        reraise=True,
-    ):
-        with attempt:
-            lease.check()  # a cancel or a lost lease ends the wait
-            return storage.upload(key, path, content_type=content_type)
-    raise AssertionError("unreachable: tenacity either returns or raises")
-
-
-def _render_and_store(
-    spec: GenerationSpec,
-    *,
-    celery: VidqCelery,
-    storage: Storage,
-    lease: Lease,
-    tenant_id: str,
-    job_id: uuid.UUID,
-) -> dict[str, object]:
-    import torch
-
-    from shared.render.pipeline import RenderOutOfMemory
-    from shared.render.registry import fall_back_to_low_vram, pipeline_for
-    from shared.render.tiers import resolve_tier
-    from shared.render.video import encode_mp4, write_poster
-
-    # 2. Render (the pipeline is loaded once per process and kept warm); the prompt embeddings come from the
-    #    embedding cache (services/worker/embeddings.py); on_step reports progress and stops the denoising loop at
-    #    the next step when the job is cancelled.
-    settings = celery.settings
-    tier, tier_note = resolve_tier(spec.precision, settings.worker_precision)
-    pipeline = pipeline_for(spec.model, settings, tier=tier)
-    try:
-        result = _generate(pipeline, spec, celery=celery, lease=lease)
-    except torch.OutOfMemoryError as exc:
-        # The worker survives it (generate released the render's memory). Once in low_vram, for this model from now.
-        if pipeline.memory_mode == "low_vram":
-            raise RenderOutOfMemory(f"CUDA out of memory in low_vram mode: {exc}"[:500]) from exc
-        log.warning("CUDA out of memory; retrying once in low_vram", extra={"job_id": str(job_id), "model": spec.model})
-        pipeline = fall_back_to_low_vram(spec.model, settings, tier=tier)
-        try:
-            result = _generate(pipeline, spec, celery=celery, lease=lease)
-        except torch.OutOfMemoryError as again:
-            raise RenderOutOfMemory(f"CUDA out of memory, in low_vram too: {again}"[:500]) from again
-    lease.check()
-    timings: dict[str, float] = {k: round(v, 4) for k, v in result.timings_s.items()}
-    with tempfile.TemporaryDirectory(prefix="vidq-") as tmp:
-        # 3. Encode H.264 yuv420p MP4 and a JPEG poster.
-        t0 = time.perf_counter()
-        mp4, jpg = Path(tmp) / "video.mp4", Path(tmp) / "poster.jpg"
-        with stage_span("encode", {**_job_attributes(lease), "vidq.fps": spec.fps}):
-            encode_mp4(result.frames, fps=spec.fps, path=mp4)
-            write_poster(result.frames, jpg)
-        timings["encode"] = round(time.perf_counter() - t0, 4)
-        # 4. Upload under deterministic keys: a retried attempt overwrites, never duplicates.
-        t0 = time.perf_counter()
-        lease.check()
-        upload = partial(_upload, storage, settings=settings, lease=lease, ctx={"job_id": str(job_id)})
-        with stage_span("upload", {**_job_attributes(lease), "vidq.bucket": settings.s3_bucket}) as span:
-            video = upload(video_key(tenant_id, str(job_id)), mp4, content_type="video/mp4")
-            poster = upload(poster_key(tenant_id, str(job_id)), jpg, content_type="image/jpeg")
-            span.set_attribute("vidq.output_bytes", video.size)
-        timings["upload"] = round(time.perf_counter() - t0, 4)
-    for stage, seconds in timings.items():
-        STAGE_SECONDS.labels(stage).observe(seconds)
-    render_cost(celery, spec, timings)  # what this shape costs, for the ETA quotes
-    # Stored with the job: stage seconds plus where the render ran.
-    record: dict[str, object] = {
-        **timings,
-        "device": result.device,
-        "dtype": result.dtype,
-        "memory_mode": pipeline.memory_mode,
-        # The tier that rendered it, its levers and module table, the attention kernel; why, if not the one asked.
-        "precision": result.precision.with_request(spec.precision, tier_note).to_dict(),
-    }
-    if result.peak_vram_bytes is not None:
-        record["peak_vram_bytes"] = result.peak_vram_bytes
-    return {
-        "output_key": video.key,
-        "poster_key": poster.key,
-        "output_bytes": video.size,
-        "output_sha256": video.sha256,
-        "output_frames": int(result.frames.shape[0]),
-        "timings": record,
-        "progress_step": spec.steps,
-        "progress_total": spec.steps,
-    }
-
-
-_oom_faults: list[int] = []  # test knob (VIDQ_WORKER_FAULT_OOM_RENDERS): renders of this process left to fail
-
-
-def _generate(pipeline: VideoPipeline, spec: GenerationSpec, *, celery: VidqCelery, lease: Lease) -> RenderResult:
-    """One render with the embedding cache's text rows; the test knob's out-of-memory errors are raised here."""
-    import torch
-
-    from services.worker.embeddings import text_rows
-    from services.worker.gpu_thread import RenderAbandoned, gpu_thread
-
-    if not _oom_faults:
-        _oom_faults.append(celery.settings.worker_fault_oom_renders)
-    if _oom_faults[0] > 0:
-        _oom_faults[0] -= 1
-        raise torch.OutOfMemoryError("CUDA out of memory (VIDQ_WORKER_FAULT_OOM_RENDERS test knob)")
-    attributes = {
-        **_job_attributes(lease),
-        "vidq.model": spec.model,
-        "vidq.shape": f"{spec.num_frames}x{spec.height}x{spec.width}",
-        "vidq.steps": spec.steps,
-        "vidq.device": str(pipeline.device),
-        "vidq.memory_mode": pipeline.memory_mode,
-    }
-    hold = celery.settings.worker_fault_hold_file
-    on_step = partial(_held_step, lease, Path(hold)) if hold else lease.on_step
-    rows = text_rows(celery, pipeline)
-
-    def render(abandoned: threading.Event) -> RenderResult:
-        def step(done: int, total: int) -> None:
-            if abandoned.is_set():  # the task stopped waiting (soft time limit): end at this step
-                raise RenderAbandoned("the task stopped waiting for this render")
-            on_step(done, total)
-
-        return pipeline.generate(
-            spec, on_step=step, text_rows=rows, stage_scope=lambda stage: stage_span(stage, attributes)
-        )
-
-    # On the GPU thread that loaded and warmed up the model (services/worker/gpu_thread.py).
-    return gpu_thread().run(render)
-
-
-def _held_step(lease: Lease, hold: Path, step: int, total: int) -> None:
-    """The test knob VIDQ_WORKER_FAULT_HOLD_FILE: a step as usual, then wait while the file exists. A cancel or a
-    lost lease (seen by the heartbeat) ends the wait as it would end the render."""
-    lease.on_step(step, total)
-    while hold.exists():
-        lease.check()
-        time.sleep(0.05)
-
-
-def _job_attributes(lease: Lease) -> dict[str, str | int]:
-    return {"vidq.job_id": str(lease.job_id), "vidq.attempt": lease.token}

@@ -98,7 +98,7 @@ def start_sampler(settings: Settings, *, worker: str) -> None:
 def job_done(celery: VidqCelery) -> None:
     """Count one finished job for the service rate; never raises."""
     try:
-        count_done(_client(celery), celery.settings)
+        count_done(scheduling_client(celery), celery.settings)
     except (redis.RedisError, OSError) as exc:
         log.debug("finished job not counted", extra={"error": repr(exc)[:200]})
 
@@ -106,12 +106,13 @@ def job_done(celery: VidqCelery) -> None:
 def render_cost(celery: VidqCelery, spec: GenerationSpec, stages_s: dict[str, float]) -> None:
     """Record what a render of ``spec`` cost (its stage seconds); never raises."""
     try:
-        costs.record(_client(celery), celery.settings, spec, stages_s)
+        costs.record(scheduling_client(celery), celery.settings, spec, stages_s)
     except (redis.RedisError, OSError) as exc:
         log.debug("render cost not recorded", extra={"error": repr(exc)[:200]})
 
 
-def _client(celery: VidqCelery) -> redis.Redis:
+def scheduling_client(celery: VidqCelery) -> redis.Redis:
+    """This process's client of the scheduling Redis: short timeouts, no retries."""
     settings = celery.settings
     return celery.resource(
         "scheduling-redis", lambda: broker_client(settings, timeout_s=settings.scheduling_redis_timeout_s, retries=0)

@@ -135,3 +135,65 @@ def claim_next(
     if job is not None:  # the row was read under the class's lock: only a cancel in between can refuse the claim
         charge(session, klass, turn, weights=weights)
     return job
+
+
+# Queued jobs of the class that can share a batch with one already claimed (their spec contains the batch's key
+# fields), oldest first; only those whose message is out, as for a turn.
+_RIDERS = text(
+    """
+    SELECT j.id, j.tenant_id FROM jobs j
+    WHERE j.status = 'queued' AND j.priority_class = :klass AND j.spec @> CAST(:key AS jsonb)
+      AND (j.spec -> 'precision' IS NOT NULL) = :names_precision
+      AND NOT j.cancel_requested AND j.attempt < j.max_attempts AND j.enqueued_at IS NOT NULL
+    ORDER BY j.created_at, j.id
+    LIMIT :n
+    """
+)
+
+# A rider's tenant is charged as a turn of its own: from its start time (its pass, or the clock) by 1 / its weight.
+_CHARGE_RIDER = text(
+    """
+    WITH weight AS (
+        SELECT coalesce((CAST(:weights AS jsonb) ->> t.name)::float8, 1.0) AS w FROM tenants t WHERE t.id = :tenant
+    ),
+    start AS (
+        SELECT greatest(
+            coalesce((SELECT pass FROM fair_shares WHERE priority_class = :klass AND tenant_id = :tenant), 0.0),
+            coalesce((SELECT vtime FROM fair_clocks WHERE priority_class = :klass), 0.0)
+        ) AS s
+    )
+    INSERT INTO fair_shares (priority_class, tenant_id, pass)
+    SELECT :klass, :tenant, start.s + 1.0 / weight.w FROM weight CROSS JOIN start
+    ON CONFLICT (priority_class, tenant_id) DO UPDATE SET pass = excluded.pass
+    """
+)
+
+
+def claim_riders(
+    session: Session,
+    klass: PriorityClass,
+    *,
+    key: Mapping[str, object],
+    limit: int,
+    worker_id: str,
+    lease_s: float,
+    weights: Mapping[str, float],
+) -> list[Job]:
+    """Claim up to ``limit`` queued jobs of ``klass`` whose spec matches ``key`` (the fields a batch shares), oldest
+    first, under the class's lock, each charged to its tenant as a turn. Their messages stay on the queue and, as
+    any message left over, claim the class's next job in turn."""
+    if limit <= 0:
+        return []
+    session.execute(_LOCK, {"klass": klass.value})
+    present = {name: value for name, value in key.items() if value is not None}  # as jobs.spec stores it
+    params = {"klass": klass.value, "key": json.dumps(present), "names_precision": "precision" in present, "n": limit}
+    rows = session.execute(_RIDERS, params).all()
+    claimed = []
+    for row in rows:
+        job = claim(session, row.id, worker_id=worker_id, lease_s=lease_s)
+        if job is not None:
+            session.execute(
+                _CHARGE_RIDER, {"klass": klass.value, "tenant": row.tenant_id, "weights": json.dumps(dict(weights))}
+            )
+            claimed.append(job)
+    return claimed

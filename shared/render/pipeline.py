@@ -191,6 +191,118 @@ class VideoPipeline:
             latents=kept[0] if kept else None,
         )
 
+    def generate_batch(
+        self,
+        specs: list[GenerationSpec],
+        *,
+        on_steps: list[StepCallback],
+        text_rows: TextRows | None = None,
+        stage_scope: StageScope | None = None,
+    ) -> list[RenderResult | Exception]:
+        """Render compatible specs (``GenerationSpec.batch_key``: model, tier, shape, steps and guidance alike)
+        in one denoising loop: the transformer runs once per step on every member's rows. Each member keeps its own
+        seed (its own noise, drawn as a render of it alone draws it), prompts and ``on_steps`` callback.
+
+        A member's callback that raises drops that member: its exception is its result, the others go on (the loop
+        ends early once every member is dropped). Anything else — the model's errors, out of memory — fails the
+        whole batch, as ``generate`` fails."""
+        if len({tuple(spec.batch_key().items()) for spec in specs}) != 1:
+            raise ValueError("a batch renders specs of one batch_key only")
+        if not _plain_wan_loop(self.pipe):
+            raise ValueError(f"{self.model} denoises with diffusers' own loop: it renders one video at a time")
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        dropped: dict[int, Exception] = {}
+        timings: dict[str, float] = {}
+        try:
+            frames, decode_s = self._render_many(
+                specs,
+                text_rows or self.encode_texts,
+                on_steps=on_steps,
+                dropped=dropped,
+                timings=timings,
+                scope=stage_scope or _no_scope,
+            )
+        except BaseException as exc:
+            _release_locals(exc.__traceback__)
+            if isinstance(exc, ValueError):
+                raise PermanentRenderError(str(exc)) from exc
+            raise
+        finally:
+            if cuda:
+                torch.cuda.empty_cache()
+        peak = torch.cuda.max_memory_allocated(self.device) if cuda else None
+        results: list[RenderResult | Exception] = []
+        for index, member in enumerate(frames):
+            if member is None:
+                results.append(dropped[index])
+                continue
+            own = {**timings, "decode": decode_s[index], "batch": float(len(specs))}
+            own["total"] = timings["total_shared"] + decode_s[index]
+            del own["total_shared"]
+            results.append(
+                RenderResult(
+                    frames=member,
+                    timings_s=own,
+                    peak_vram_bytes=peak,
+                    device=str(self.device),
+                    dtype=dtype_name(self.dtype),
+                    precision=self.rendered_precision(),
+                )
+            )
+        return results
+
+    def _render_many(
+        self,
+        specs: list[GenerationSpec],
+        text_rows: TextRows,
+        *,
+        on_steps: list[StepCallback],
+        dropped: dict[int, Exception],
+        timings: dict[str, float],
+        scope: StageScope,
+    ) -> tuple[list[np.ndarray | None], list[float]]:
+        backends = [getattr(SDPBackend, name) for name in self.policy.attention if name in SDPA_PREFERENCE]
+        with torch.inference_mode(), sdpa_kernel(backends, set_priority=True):
+            started = stage = self._clock()
+            with scope("embeddings"):
+                per_member = [list(texts_of(s.prompt, s.negative_prompt, s.guidance_scale)) for s in specs]
+                rows = text_rows([text for texts in per_member for text in texts])
+                width = len(per_member[0])
+                embeds = pad(rows, max_sequence_length=MAX_SEQUENCE_LENGTH, device=self.device)
+                prompt_embeds = embeds[0::width]
+                negative_embeds = embeds[1::width] if width == 2 else None
+                timings["encode_text"], stage = self._lap(stage)
+
+            def after_step(done: int, total: int) -> bool:
+                for index, report in enumerate(on_steps):
+                    if index not in dropped:
+                        try:
+                            report(done, total)
+                        except Exception as exc:  # this member stops here; the others go on
+                            dropped[index] = exc
+                return len(dropped) < len(specs)
+
+            with scope("denoise"):
+                self._note_shape(specs[0], guided=negative_embeds is not None, members=len(specs))
+                latents = self._denoise_many(specs, prompt_embeds, negative_embeds, after_step)
+                timings["denoise"], stage = self._lap(stage)
+            timings["total_shared"] = stage - started
+
+            frames: list[np.ndarray | None] = []
+            decode_s: list[float] = []
+            with scope("decode"):
+                for index in range(len(specs)):
+                    if index in dropped:
+                        frames.append(None)
+                        decode_s.append(0.0)
+                        continue
+                    frames.append(_to_uint8(self._decode(latents[index : index + 1])))
+                    seconds, stage = self._lap(stage)
+                    decode_s.append(seconds)
+        return frames, decode_s
+
     def rendered_precision(self) -> RenderedPrecision:
         """What a result says about this pipeline's numbers (the job's request is added by the caller)."""
         compute, vae = dtype_name(self.dtype), self.policy.vae_dtype
@@ -268,11 +380,11 @@ class VideoPipeline:
             return self._denoise_batched(spec, prompt_embeds, negative_embeds, report)
         return self._denoise_plain(spec, prompt_embeds, negative_embeds, report)
 
-    def _note_shape(self, spec: GenerationSpec, *, guided: bool) -> None:
+    def _note_shape(self, spec: GenerationSpec, *, guided: bool, members: int = 1) -> None:
         """Record the self-attention's kernel for this shape; log a compile for a shape the blocks have not run."""
         config = self.pipe.transformer.config
         tokens = tokens_per_sample(self.pipe, spec.height, spec.width, spec.num_frames)
-        batch = 2 if guided and self.policy.cfg_batch else 1
+        batch = members * (2 if guided and (self.policy.cfg_batch or members > 1) else 1)
         if self.flash4:
             self._attention_by_shape[tokens, batch] = FLASH_ATTENTION_4
         elif (tokens, batch) not in self._attention_by_shape:
@@ -302,26 +414,47 @@ class VideoPipeline:
         """WanPipeline's denoising loop with classifier-free guidance's two passes as one batch of two: the same
         latents, timesteps, scheduler and guidance formula; each sample's math is unchanged, the transformer runs
         once per step on twice the rows (fuller GEMMs, half the launches)."""
-        pipe = self.pipe
+
+        def after_step(done: int, total: int) -> bool:
+            report(done, total)
+            return True
+
+        return self._denoise_many([spec], prompt_embeds, negative_embeds, after_step)
+
+    def _denoise_many(
+        self,
+        specs: list[GenerationSpec],
+        prompt_embeds: torch.Tensor,
+        negative_embeds: torch.Tensor | None,
+        after_step: Callable[[int, int], bool],
+    ) -> torch.Tensor:
+        """The loop of ``_denoise_batched`` for one or more videos alike but for their prompts and seeds: every
+        member's latents and both guidance passes in one batch. ``after_step(done, total)`` False ends the loop."""
+        pipe, spec = self.pipe, specs[0]
         transformer = pipe.transformer
         guided = negative_embeds is not None and spec.guidance_scale > 1.0
         text = torch.cat([negative_embeds, prompt_embeds]) if guided and negative_embeds is not None else prompt_embeds
         text = text.to(transformer.dtype)
         pipe.scheduler.set_timesteps(spec.steps, device=self.device)
         timesteps = pipe.scheduler.timesteps
-        # Drawn exactly as WanPipeline draws them: a seed gives the same noise as a plain diffusers call.
-        generator = torch.Generator(device=self.device).manual_seed(spec.seed)
-        latents = pipe.prepare_latents(
-            1,
-            transformer.config.in_channels,
-            spec.height,
-            spec.width,
-            spec.num_frames,
-            torch.float32,
-            self.device,
-            generator,
-            None,
-        )
+        # Drawn exactly as WanPipeline draws them, one generator per video: a seed gives the same noise as a plain
+        # diffusers call of that video alone.
+        noise = [
+            pipe.prepare_latents(
+                1,
+                transformer.config.in_channels,
+                spec.height,
+                spec.width,
+                spec.num_frames,
+                torch.float32,
+                self.device,
+                torch.Generator(device=self.device).manual_seed(member.seed),
+                None,
+            )
+            for member in specs
+        ]
+        latents = noise[0] if len(noise) == 1 else torch.cat(noise)
+        del noise
         pipe.scheduler.set_begin_index(0)
         for index, t in enumerate(timesteps):
             model_input = latents.to(transformer.dtype)
@@ -337,7 +470,8 @@ class VideoPipeline:
                 uncond, cond = noise.chunk(2)
                 noise = uncond + spec.guidance_scale * (cond - uncond)
             latents = pipe.scheduler.step(noise, t, latents, return_dict=False)[0]
-            report(index + 1, len(timesteps))
+            if not after_step(index + 1, len(timesteps)):
+                break
         denoised: torch.Tensor = latents
         return denoised
 

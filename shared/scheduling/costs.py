@@ -62,10 +62,11 @@ def _samples_key(settings: Settings, shape: Shape) -> str:
 def record(client: redis.Redis, settings: Settings, spec: GenerationSpec, stages_s: Mapping[str, float]) -> None:
     """One render's sample, from its stage seconds (the pipeline's ``denoise`` and ``total``, then ``encode`` and
     ``upload``). Raises redis errors; the worker's caller ignores them."""
-    denoise = float(stages_s.get("denoise", 0.0))
-    fixed = (
-        float(stages_s.get("total", denoise)) - denoise + sum(float(stages_s.get(s, 0.0)) for s in ("encode", "upload"))
-    )
+    # A batch's denoising loop served every member at once: each member's share is the loop over the batch size.
+    denoise = float(stages_s.get("denoise", 0.0)) / max(1.0, float(stages_s.get("batch", 1.0)))
+    shared_denoise = float(stages_s.get("denoise", 0.0))
+    after = sum(float(stages_s.get(stage, 0.0)) for stage in ("encode", "upload"))
+    fixed = float(stages_s.get("total", shared_denoise)) - shared_denoise + after
     shape = shape_of(spec)
     sample = json.dumps({"steps": spec.steps, "denoise_s": round(denoise, 4), "fixed_s": round(max(0.0, fixed), 4)})
     key = _samples_key(settings, shape)

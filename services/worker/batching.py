@@ -1,0 +1,92 @@
+"""Which jobs render together: after a worker claims its job, compatible jobs waiting in the same class ride along
+in one batch (one denoising loop for all), where the batch table says batching pays for the shape
+(services/worker/batch_table.py).
+
+Compatible means the same model, precision tier, shape, steps and guidance (``GenerationSpec.batch_key``). How long
+the worker waits for riders depends on the class: a high job never waits (it takes only riders already queued), a
+medium one waits from ``batch_window_medium_min_s`` up to ``batch_window_medium_max_s`` as its queue grows (more
+waiting, more likely company), a low one until the batch is full or ``batch_window_low_s``. Riders are claimed
+oldest first, each charged to its tenant's fair share (shared/jobs/fairness.py) and each with its own fencing token:
+from its claim on, a rider is a job like any other — its own lease, progress, cancel and finalize.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+import redis
+
+from services.worker.batch_table import load
+from shared.infra.config import Settings
+from shared.infra.db import session_scope
+from shared.jobs.fairness import claim_riders
+from shared.messaging.celery_app import VidqCelery
+from shared.queues import PriorityClass
+from shared.spec import GenerationSpec
+
+log = logging.getLogger("vidq.worker.batching")
+
+
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    """A job this worker claimed, at ``token``, its attempt (the fencing token)."""
+
+    job_id: uuid.UUID
+    token: int
+    tenant_id: str
+    spec: GenerationSpec
+    traceparent: str | None
+
+
+def window_s(settings: Settings, klass: PriorityClass, *, backlog: int, limit: int) -> float:
+    """How long a worker waits for riders of ``klass`` with ``backlog`` messages on its queue."""
+    if klass is PriorityClass.HIGH:
+        return 0.0
+    if klass is PriorityClass.LOW:
+        return settings.batch_window_low_s
+    low, high = settings.batch_window_medium_min_s, settings.batch_window_medium_max_s
+    return low + (high - low) * min(1.0, backlog / max(1, 4 * limit))
+
+
+def gather_riders(claimed: Claimed, *, klass: PriorityClass, celery: VidqCelery, worker: str) -> list[Claimed]:
+    """Claim the jobs that render with ``claimed`` (none where the batch table says it renders alone)."""
+    settings = celery.settings
+    limit = load(settings.worker_batch_table).max_batch(claimed.spec) - 1
+    if limit <= 0:
+        return []
+    deadline = time.monotonic() + window_s(settings, klass, backlog=_backlog(celery, klass), limit=limit + 1)
+    riders: list[Claimed] = []
+    while True:
+        with session_scope(settings) as session:
+            jobs = claim_riders(
+                session,
+                klass,
+                key=claimed.spec.batch_key(),
+                limit=limit - len(riders),
+                worker_id=worker,
+                lease_s=settings.lease_s,
+                weights=settings.fair_share_weights,
+            )
+            riders += [
+                Claimed(job.id, job.attempt, str(job.tenant_id), GenerationSpec.from_dict(job.spec), job.traceparent)
+                for job in jobs
+            ]
+        if len(riders) >= limit or time.monotonic() >= deadline:
+            break
+        time.sleep(settings.batch_poll_s)
+    if riders:
+        log.info("batch formed", extra={"job_id": str(claimed.job_id), "riders": [str(r.job_id) for r in riders]})
+    return riders
+
+
+def _backlog(celery: VidqCelery, klass: PriorityClass) -> int:
+    """Messages waiting on the class's queue; 0 when the broker does not say (the window is then its shortest)."""
+    from services.worker.scheduling import scheduling_client
+
+    try:
+        return int(scheduling_client(celery).llen(f"{celery.settings.broker_key_prefix}{klass.queue.value}"))
+    except (redis.RedisError, OSError):
+        return 0

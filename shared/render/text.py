@@ -117,18 +117,33 @@ class TextEncoder:
         """One (n_i, hidden) tensor per text, on the CPU, in ``identity.dtype``: the rows ``WanPipeline`` keeps
         before zero-padding to 512 (tokenized and encoded the way ``WanPipeline._get_t5_prompt_embeds`` does).
 
-        ``batch_size`` 1 (a worker) gives exactly what ``encode_prompt`` gives, which encodes one text per call;
-        larger batches (the prewarmer) are faster and equal up to the kernels' rounding for another batch shape."""
-        out: list[torch.Tensor] = []
-        for start in range(0, len(texts), max(1, batch_size)):
-            out.extend(self._encode_batch(texts[start : start + max(1, batch_size)]))
-        return out
+        ``batch_size`` 1 (a worker) gives exactly what ``encode_prompt`` gives, which encodes one text per call,
+        padded to 512 tokens. Larger batches (the prewarmer, a batch of renders) are packed: the texts are sorted by
+        token count and each batch is padded only to its longest text, so short prompts do not pay for 512 tokens
+        each. The padding is masked out, so the rows equal the single-text ones up to the kernels' rounding for
+        another batch shape; they come back in the order asked."""
+        size = max(1, batch_size)
+        if size == 1:
+            return [row for text in texts for row in self._encode_batch([text], pad_to_max=True)]
+        order = sorted(range(len(texts)), key=lambda i: self._token_count(texts[i]))
+        out: list[torch.Tensor | None] = [None] * len(texts)
+        for start in range(0, len(order), size):
+            chunk = order[start : start + size]
+            for index, row in zip(chunk, self._encode_batch([texts[i] for i in chunk], pad_to_max=False), strict=True):
+                out[index] = row
+        return [row for row in out if row is not None]
+
+    def _token_count(self, text: str) -> int:
+        ids = self.tokenizer(
+            prompt_clean(text), truncation=True, max_length=self.identity.max_sequence_length, add_special_tokens=True
+        ).input_ids
+        return len(ids)
 
     @torch.inference_mode()
-    def _encode_batch(self, texts: list[str]) -> list[torch.Tensor]:
+    def _encode_batch(self, texts: list[str], *, pad_to_max: bool) -> list[torch.Tensor]:
         inputs = self.tokenizer(
             [prompt_clean(t) for t in texts],
-            padding="max_length",
+            padding="max_length" if pad_to_max else "longest",
             max_length=self.identity.max_sequence_length,
             truncation=True,
             add_special_tokens=True,

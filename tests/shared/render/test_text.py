@@ -39,3 +39,25 @@ def test_the_negative_prompt_is_encoded_only_with_guidance() -> None:
     assert texts_of("p", "n", 5.0) == ("p", "n")
     assert texts_of("p", "", 5.0) == ("p", "")
     assert texts_of("p", "n", 1.0) == ("p",)
+
+
+def test_a_packed_batch_gives_each_texts_rows_in_the_order_asked() -> None:
+    pipe = build_pipeline(TINY_WAN, device=CPU, dtype=torch.float32)
+    encoder = pipeline_text_encoder(pipe, encoder_identity(TINY_WAN, dtype=torch.float32))
+    assert encoder is not None
+    texts = [*PROMPTS, "a long prompt " * 40, "x", "a lighthouse on a cliff in a storm"]
+    single = encoder.encode(texts)
+    seen: list[int] = []
+    forward = encoder.encoder.forward
+
+    def spy(ids: torch.Tensor, mask: torch.Tensor, **kw: object) -> object:
+        seen.append(ids.shape[1])  # the padded length of each batch
+        return forward(ids, mask, **kw)
+
+    encoder.encoder.forward = spy  # type: ignore[method-assign]
+    packed = encoder.encode(texts, batch_size=3)
+    for text, a, b in zip(texts, single, packed, strict=True):
+        assert a.shape == b.shape, text  # the same real-token rows, in the order asked
+        assert torch.allclose(a, b, atol=1e-5), text  # equal up to the kernels' rounding for another batch shape
+    # Sorted by length, each batch padded to its own longest text: the short ones never pay for 512 tokens.
+    assert len(seen) == 2 and seen[0] < seen[1] <= MAX_SEQUENCE_LENGTH and seen[0] < 32

@@ -1,7 +1,7 @@
 """fair share between tenants inside a class: each tenant's virtual time per class, and each class's clock
 
-Revision ID: 0008
-Revises: 0007
+Revision ID: 0009
+Revises: 0008
 Create Date: 2026-12-02 14:40:00.000000
 
 - ``fair_shares``: per class and tenant, the virtual time the tenant's next job would start at (its ``pass``); a
@@ -19,8 +19,8 @@ import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects.postgresql import UUID
 
-revision = "0008"
-down_revision = "0007"
+revision = "0009"
+down_revision = "0008"
 branch_labels = None
 depends_on = None
 

@@ -8,7 +8,12 @@ once, and nothing the API refused was written.
 The lost-message timer (``queued_resend_s``) and aging are set to a day here, so the only way back for a job whose
 send failed is the sweeper's unsent rule (``enqueue_grace_s``): a job that needed the 30-minute resend would miss
 the deadline. The machine's Redis is shared and must never be stopped, so the broker is a private redis-server
-(tools/devstack/embedded.py) with its own API, sweeper and worker processes; Postgres and S3 are the session's."""
+(tools/devstack/embedded.py) with its own API, sweeper and worker processes; Postgres and S3 are the session's.
+
+The second test takes both down: a worker that met Postgres down at its claim hands its message back while the
+broker is down too. It keeps the message until Redis takes the copy (services/worker/handback.py), so the job
+succeeds once both are back, again with the lost-message resend out of reach. That one runs a private PostgreSQL
+(as tests/integration/test_postgres_outage.py does) as well as the private Redis."""
 
 from __future__ import annotations
 
@@ -25,11 +30,13 @@ import pytest
 from sqlalchemy import func, select
 
 from shared.infra.config import Settings
-from shared.infra.db import session_scope
+from shared.infra.db import get_engine, session_scope
+from shared.infra.migrate import upgrade
 from shared.models import Job, JobTransition
+from shared.tenants import issue_key
 from tests.integration.conftest import Hold
 from tests.integration.helpers import TINY, free_port
-from tools.devstack.embedded import EmbeddedRedis
+from tools.devstack.embedded import EmbeddedPostgres, EmbeddedRedis
 from tools.processes import ProcessGroup, log_tail, vidq_argv, wait_for_log, wait_http, wait_until
 
 OUTAGE_S = 8.0
@@ -185,3 +192,81 @@ def test_a_broker_outage_while_clients_submit_strands_no_job(
     assert {str(job_id): n for job_id, n in successes.items()} == {i: 1 for i in accepted}
     outage = sum(1 for p, _ in answers if p == "outage")
     print(f"{len(accepted)} jobs accepted ({outage} submits during the outage), all succeeded once")
+
+
+@pytest.fixture
+def private_postgres(
+    private_broker: tuple[EmbeddedRedis, ProcessGroup],
+) -> Iterator[tuple[EmbeddedPostgres, Settings]]:
+    """A private PostgreSQL for the private stack (the machine's is shared and must never be stopped), migrated."""
+    _, group = private_broker
+    root = Path(tempfile.mkdtemp(prefix="vidq-outage-pg-"))  # not under tmp_path: see private_broker
+    pg = EmbeddedPostgres(root / "data", port=free_port())
+    try:
+        pg.start()
+    except BaseException:
+        shutil.rmtree(root, ignore_errors=True)
+        raise
+    settings = Settings(database_url=pg.url, broker_url=group.env["VIDQ_BROKER_URL"])  # type: ignore[arg-type]
+    group.env.update({"VIDQ_DATABASE_URL": pg.url, "VIDQ_DB_POOL_TIMEOUT_S": "1", "VIDQ_DB_CONNECT_TIMEOUT_S": "2"})
+    try:
+        upgrade(settings)
+        yield pg, settings
+    finally:
+        group.stop_all(timeout_s=10)  # before the database goes: nothing of the stack outlives it
+        get_engine(settings).dispose()
+        pg.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_an_unclaimable_message_survives_the_broker_going_down_too(
+    private_broker: tuple[EmbeddedRedis, ProcessGroup], private_postgres: tuple[EmbeddedPostgres, Settings]
+) -> None:
+    broker, group = private_broker
+    pg, settings = private_postgres
+    group.env["VIDQ_WORKER_CLAIM_WAIT_S"] = "2"  # the hand-back starts within seconds of the claim meeting the outage
+    with session_scope(settings) as session:
+        key = issue_key(session, tenant_name="both-down").api_key
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    group.env["VIDQ_PUBLIC_BASE_URL"] = url
+    group.start("api", vidq_argv("api", "--no-migrate", "--port", str(port)))
+    wait_http(f"{url}/readyz", timeout_s=60, group=group)
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=15) as c:
+        r = c.post("/v1/jobs", json=JOB)
+        assert r.status_code == 202, r.text
+        job_id = r.json()["id"]
+        wait_until(lambda: _jobs_enqueued(settings, job_id), timeout_s=60, what="the job's send on record", watch=group)
+
+    # Postgres goes first; the worker takes the message and cannot claim. Then the broker goes too, before the
+    # hand-back: its re-publish fails. The outages end only once the worker has met each (the faults proven).
+    pg.stop()
+    group.start("worker", vidq_argv("worker", "--role", "video", "--name", f"both-down-{uuid.uuid4().hex[:6]}"))
+    worker_log = group.log_path("worker")
+    wait_for_log(group, "worker", "Postgres unreachable at claim", timeout_s=120)
+    broker.stop()
+    wait_for_log(group, "worker", "broker unreachable; retrying the re-publish", timeout_s=60)
+    pg.start()
+    broker.start()
+
+    def succeeded() -> bool:
+        with session_scope(settings) as session:
+            return session.execute(select(Job.status).where(Job.id == uuid.UUID(job_id))).scalar() == "succeeded"
+
+    try:
+        wait_until(succeeded, timeout_s=DEADLINE_S, what="the job succeeded", watch=group)
+    except Exception as exc:
+        raise AssertionError(f"the job did not succeed:\n{log_tail(worker_log, 60)}") from exc
+    assert "unclaimed message re-published" in worker_log.read_text(errors="replace")
+    with session_scope(settings) as session:
+        successes = session.execute(
+            select(func.count()).where(
+                JobTransition.job_id == uuid.UUID(job_id), JobTransition.to_status == "succeeded"
+            )
+        ).scalar_one()
+    assert successes == 1
+
+
+def _jobs_enqueued(settings: Settings, job_id: str) -> bool:
+    with session_scope(settings) as session:
+        return session.execute(select(Job.enqueued_at).where(Job.id == uuid.UUID(job_id))).scalar() is not None

@@ -54,9 +54,10 @@ SELECT gen_random_uuid(), tenant, st,
 FROM g
 """
 _DELIVERIES = """
-INSERT INTO webhook_deliveries (job_id, event_type, msg_id, attempt, url, ok, status_code, duration_ms,
+INSERT INTO webhook_deliveries (job_id, tenant_id, event_type, msg_id, attempt, url, ok, status_code, duration_ms,
   response_excerpt, created_at)
-SELECT id, 'job.' || status, 'msg_' || replace(id::text, '-', ''), 1, webhook_url, true, 200, 40, '', finished_at
+SELECT id, tenant_id, 'job.' || status, 'msg_' || replace(id::text, '-', ''), 1, webhook_url, true, 200, 40, '',
+  finished_at
 FROM jobs WHERE webhook_url IS NOT NULL AND finished_at > now() - interval '2 days'
 """
 _KEYS = """

@@ -243,12 +243,27 @@ class WebhookDelivery(Base):
             "next_attempt_at",
             postgresql_where=text("next_attempt_at IS NOT NULL AND NOT superseded"),
         ),
-        # GET /v1/webhooks/deliveries: the latest attempts that failed, newest first.
-        Index("ix_webhook_deliveries_failed", text("id DESC"), postgresql_where=text("NOT ok AND NOT superseded")),
+        # GET /v1/webhooks/deliveries (migrations/versions/0008): one tenant's latest attempts that failed, newest
+        # first, one index per state, so a page reads O(page) entries however many other tenants' failures exist.
+        Index(
+            "ix_webhook_deliveries_tenant_failed",
+            "tenant_id",
+            text("id DESC"),
+            postgresql_where=text("NOT ok AND NOT superseded AND next_attempt_at IS NULL"),
+        ),
+        Index(
+            "ix_webhook_deliveries_tenant_retrying",
+            "tenant_id",
+            text("id DESC"),
+            postgresql_where=text("NOT ok AND NOT superseded AND next_attempt_at IS NOT NULL"),
+        ),
     )
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
     job_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    # The job's tenant, copied from the job when the attempt is recorded (a job never changes tenant), so the
+    # tenant's failing deliveries are found by index. No foreign key of its own: the job's cascades delete the row.
+    tenant_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True))
     event_type: Mapped[str] = mapped_column(String(32))
     msg_id: Mapped[str] = mapped_column(String(64))
     attempt: Mapped[int] = mapped_column(Integer)

@@ -72,8 +72,9 @@ def record_attempt(
     session: Session, *, job_id: uuid.UUID, event_type: str, next_in_s: float | None, **attempt: Any
 ) -> None:
     """An attempt on record as the latest of its job and event (the earlier ones superseded), with the next one
-    planned ``next_in_s`` from now when there is one. With an attempt on record the sweeper no longer needs to hand
-    the job over (``jobs.webhook_pending_since`` cleared)."""
+    planned ``next_in_s`` from now when there is one, and the job's tenant copied onto it (the tenant's list of
+    failing deliveries reads it). With an attempt on record the sweeper no longer needs to hand the job over
+    (``jobs.webhook_pending_since`` cleared)."""
     session.execute(
         update(WebhookDelivery)
         .where(WebhookDelivery.job_id == job_id, WebhookDelivery.event_type == event_type, ~WebhookDelivery.superseded)
@@ -83,6 +84,7 @@ def record_attempt(
     session.execute(
         insert(WebhookDelivery).values(
             job_id=job_id,
+            tenant_id=select(Job.tenant_id).where(Job.id == job_id).scalar_subquery(),
             event_type=event_type,
             next_attempt_at=None if next_in_s is None else func.now() + timedelta(seconds=next_in_s),
             **attempt,
@@ -106,17 +108,17 @@ def failing(
     before_id: int | None,
 ) -> list[WebhookDelivery]:
     """The latest attempt of each of the tenant's failing deliveries, newest first, after the attempt ``before_id``
-    (keyset on the attempt id; ix_webhook_deliveries_failed holds only the latest failed attempts). ``failed``: no
-    retry planned (given up, or gone); ``retrying``: the next attempt planned."""
+    (keyset on the attempt id). ``failed``: no retry planned (given up, or gone); ``retrying``: the next attempt
+    planned. Each state has its index, led by the tenant (ix_webhook_deliveries_tenant_failed, …_retrying), whose
+    predicate is this query's: a page reads O(page) entries, whatever other tenants hold."""
     planned = WebhookDelivery.next_attempt_at.is_not(None)
     query = (
         select(WebhookDelivery)
-        .join(Job, Job.id == WebhookDelivery.job_id)
         .where(
             ~WebhookDelivery.ok,
             ~WebhookDelivery.superseded,
-            Job.tenant_id == tenant_id,
-            planned if state == "retrying" else ~planned,
+            planned if state == "retrying" else WebhookDelivery.next_attempt_at.is_(None),
+            WebhookDelivery.tenant_id == tenant_id,
         )
         .order_by(WebhookDelivery.id.desc())
         .limit(limit)

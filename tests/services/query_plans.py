@@ -1,6 +1,7 @@
 """What the query-plan tests of the API (tests/services/api/test_query_plans.py) and of the sweeper
 (tests/services/sweeper/test_query_plans.py) share: a ``jobs`` table of 200,000 rows (benchmarks/db_data.py's
-steady state, a few rows of each kind made due) and the reading of EXPLAIN ANALYZE plans."""
+steady state, a few rows of each kind made due, several tenants' failing webhook deliveries) and the reading of
+EXPLAIN ANALYZE plans."""
 
 from __future__ import annotations
 
@@ -52,6 +53,20 @@ _RESULT_KEYS = [
 ]
 
 
+# Failing webhook deliveries (GET /v1/webhooks/deliveries): every delivery of the three smaller tenants failed, half
+# given up and half with a retry planned (thousands of each); the largest tenant has FEW_FAILING of each state only,
+# so its page is found among the others' failures by the index alone.
+FEW_FAILING = 3
+_FAILING_DELIVERIES = [
+    "UPDATE webhook_deliveries SET ok = false, status_code = 500, "
+    "next_attempt_at = CASE WHEN id %% 2 = 0 THEN now() + interval '1 hour' END WHERE tenant_id <> %(tenant)s",
+    "UPDATE webhook_deliveries SET ok = false, status_code = 500 WHERE id IN "
+    "(SELECT id FROM webhook_deliveries WHERE tenant_id = %(tenant)s ORDER BY id LIMIT %(few)s)",
+    "UPDATE webhook_deliveries SET ok = false, status_code = 500, next_attempt_at = now() + interval '1 hour' "
+    "WHERE id IN (SELECT id FROM webhook_deliveries WHERE tenant_id = %(tenant)s ORDER BY id DESC LIMIT %(few)s)",
+]
+
+
 @dataclass(frozen=True)
 class FilledDatabase:
     settings: Settings  # the session's settings, pointing at the filled database
@@ -75,9 +90,11 @@ def filled_database(session_url: str) -> Iterator[FilledDatabase]:
             ids = fill(conn, jobs=JOBS, chunk=100_000, say=lambda _: None)
             for sql in _RESULT_KEYS:
                 conn.execute(sql, {"hot": HOT_KEY, "tenant": ids[0], "n": HOT_REPEATS})
+            for sql in _FAILING_DELIVERIES:
+                conn.execute(sql, {"tenant": ids[0], "few": FEW_FAILING})
             conn.commit()
             conn.autocommit = True  # VACUUM runs outside a transaction: the table as fill() leaves it, keys included
-            conn.execute("VACUUM (ANALYZE) jobs")
+            conn.execute("VACUUM (ANALYZE) jobs, webhook_deliveries")
             conn.autocommit = False
             for sql in _MAKE_DUE:
                 conn.execute(sql, {"n": DUE})

@@ -1,14 +1,14 @@
 """Every query the API's store sends is index-driven: on a table of 200,000 jobs (benchmarks/db_data.py's steady
 state), EXPLAIN ANALYZE of the very SQL each function sends shows the intended index, no sequential scan of
-``jobs``, and a number of rows read bounded by the page, not by the table. The sweeper's queries:
-tests/services/sweeper/test_query_plans.py."""
+``jobs``, and a number of rows read bounded by the page, not by the table nor by other tenants' rows. The
+sweeper's queries: tests/services/sweeper/test_query_plans.py."""
 
 from __future__ import annotations
 
 import uuid
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from benchmarks.db_data import explain, plan_line, plan_nodes
 from services.api.pagination import decode_cursor, encode_cursor
@@ -17,8 +17,9 @@ from shared.infra.config import Settings
 from shared.infra.db import get_engine, session_scope
 from shared.jobs.repository import has_status
 from shared.jobs.status import JobStatus
-from shared.models import Job
-from tests.services.query_plans import HOT_KEY, FilledDatabase, read
+from shared.models import Job, WebhookDelivery
+from shared.webhooks.deliveries import failing
+from tests.services.query_plans import FEW_FAILING, HOT_KEY, FilledDatabase, plans, read
 
 PAGE = 100
 
@@ -83,3 +84,43 @@ def test_the_result_cache_lookup_reads_one_entry_of_its_index(filled: FilledData
             plan = explain(conn, sql, params)
         assert read(plan, "ix_jobs_result_cache") == found, plan_line(plan)
         assert not [n for n in plan_nodes(plan) if n["Node Type"] == "Sort"], plan_line(plan)
+
+
+def _failing_cursor(settings: Settings, tenant: uuid.UUID, state: str, depth: int) -> int:
+    planned = WebhookDelivery.next_attempt_at.is_not(None)
+    with session_scope(settings) as session:
+        found = session.execute(
+            select(WebhookDelivery.id)
+            .where(
+                WebhookDelivery.tenant_id == tenant,
+                ~WebhookDelivery.ok,
+                ~WebhookDelivery.superseded,
+                planned if state == "retrying" else ~planned,
+            )
+            .order_by(WebhookDelivery.id.desc())
+            .offset(depth)
+        ).scalar()
+        assert found is not None
+        return found
+
+
+@pytest.mark.parametrize("state", ["failed", "retrying"])
+@pytest.mark.parametrize(
+    ("which", "depth", "expected"), [(0, None, FEW_FAILING), (1, None, PAGE + 1), (1, 2_000, PAGE + 1)]
+)
+def test_a_failing_deliveries_page_reads_one_page_of_its_tenants_index(
+    filled: FilledDatabase, state, which, depth, expected
+):
+    """GET /v1/webhooks/deliveries: the tenant's index of the state read in its own order (no sort), one page at
+    any depth, and no more than its own few entries for a tenant whose failures are few among the thousands of the
+    other tenants'."""
+    settings, tenant = filled.settings, filled.tenants[which]
+    with session_scope(settings) as session:
+        others = session.execute(
+            select(func.count()).where(WebhookDelivery.tenant_id != tenant, ~WebhookDelivery.ok)
+        ).scalar_one()
+    assert others > 20 * PAGE  # the page is found among many more failures of other tenants
+    before_id = _failing_cursor(settings, tenant, state, depth) if depth else None
+    (plan,) = plans(settings, lambda s: failing(s, tenant_id=tenant, state=state, limit=PAGE + 1, before_id=before_id))
+    assert read(plan, f"ix_webhook_deliveries_tenant_{state}") == expected, plan_line(plan)
+    assert not [n for n in plan_nodes(plan) if n["Node Type"] == "Sort"], plan_line(plan)

@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 from celery.exceptions import SoftTimeLimitExceeded
 from minio.error import InvalidResponseError, S3Error, ServerError
@@ -27,10 +27,12 @@ from urllib3.exceptions import HTTPError as Urllib3Error
 
 from services.worker.lease import Lease
 from services.worker.metrics import BUSY, FAILURES, JOBS, QUEUE_WAIT, STAGE_SECONDS
-from shared.errors import EmbeddingsUnavailable, JobCancelled, LeaseLost
+from shared.errors import EmbeddingsUnavailable, JobCancelled, LeaseLost, ModelUnavailable
+from shared.infra.breakers import BreakerRule, BreakerSet, CircuitBreaker, CircuitOpen
 from shared.infra.config import Settings
 from shared.infra.db import session_scope
-from shared.infra.storage import Storage, StoredObject, poster_key, video_key
+from shared.infra.retries import backoff
+from shared.infra.storage import Storage, StoredObject, poster_key, s3_unreachable, video_key
 from shared.infra.tracing import stage_span
 from shared.jobs.states import cancelled_by_worker, claim, fail, release_for_retry, succeed
 from shared.jobs.status import JobStatus
@@ -38,9 +40,10 @@ from shared.messaging.celery_app import VidqCelery
 from shared.messaging.dispatch import after_transition_commit
 from shared.messaging.progress import ProgressPublisher
 from shared.models import Job
-from shared.spec import GenerationSpec
+from shared.spec import GenerationSpec, Precision
 
 if TYPE_CHECKING:  # the render code (torch) is imported where a job renders, not when the task module loads
+    from shared.render.degrade import Degradation
     from shared.render.pipeline import RenderResult, VideoPipeline
 
 log = logging.getLogger("vidq.worker.runner")
@@ -60,9 +63,47 @@ def db_unreachable(exc: BaseException) -> bool:
 
 
 def _backoff(settings: Settings) -> wait_random_exponential:
-    """Exponential from ``worker_db_retry_base_s``, ×2, capped at ``worker_db_retry_max_s``, full jitter: a
-    dependency that comes back is seen within about the cap."""
-    return wait_random_exponential(multiplier=settings.worker_db_retry_base_s, max=settings.worker_db_retry_max_s)
+    """Exponential from ``worker_db_retry_base_s``, ×2, capped at ``worker_db_retry_max_s``, full jitter
+    (shared/infra/retries.py): a dependency that comes back is seen within about the cap."""
+    return backoff(settings.worker_db_retry_base_s, settings.worker_db_retry_max_s)
+
+
+# Circuit breakers of this worker process (shared/infra/breakers.py: in memory, per process): S3, and each model
+# and shape it renders. Made on first use, from the settings of the first job.
+_breakers_lock = threading.Lock()
+_s3_breaker: list[CircuitBreaker] = []
+_model_breakers: list[BreakerSet] = []
+
+
+def s3_breaker(settings: Settings) -> CircuitBreaker:
+    with _breakers_lock:
+        if not _s3_breaker:
+            _s3_breaker.append(CircuitBreaker("s3", BreakerRule.from_settings(settings)))
+        return _s3_breaker[0]
+
+
+def model_breaker(settings: Settings, spec: GenerationSpec) -> CircuitBreaker:
+    """The breaker of the spec's model and shape (``model:HEIGHTxWIDTHxFRAMES``)."""
+    with _breakers_lock:
+        if not _model_breakers:
+            rule = BreakerRule.from_settings(settings)
+            _model_breakers.append(BreakerSet("model", rule, max_keys=settings.breaker_max_keys))
+        breakers = _model_breakers[0]
+    return breakers.get(f"{spec.model}:{spec.height}x{spec.width}x{spec.num_frames}")
+
+
+# Failures that hand the job back for another attempt (DB, S3, network, no text encoder answering, S3's breaker
+# open past worker_upload_retry_s): they say nothing about the render, so they never count against a model.
+TRANSIENT: tuple[type[BaseException], ...] = (
+    EmbeddingsUnavailable,
+    CircuitOpen,
+    OperationalError,
+    S3Error,
+    Urllib3Error,
+    ConnectionError,
+    TimeoutError,
+    OSError,
+)
 
 
 def _retry_db(fn: Callable[[], T], *, settings: Settings, deadline: float, what: str, ctx: dict[str, str]) -> T:
@@ -205,15 +246,7 @@ def _run_job(
             code="time_limit",
             message="task time limit",
         )
-    except (
-        EmbeddingsUnavailable,
-        OperationalError,
-        S3Error,
-        Urllib3Error,
-        ConnectionError,
-        TimeoutError,
-        OSError,
-    ) as exc:
+    except TRANSIENT as exc:
         # Transient (DB, S3, network, no text encoder answering): hand the job back for another attempt, or fail
         # once attempts are spent.
         log.warning("transient failure", extra={**ctx, "error": repr(exc)})
@@ -242,11 +275,16 @@ def _run_job(
 
         if isinstance(exc, RenderOutOfMemory):
             code = "out_of_memory"
+        elif isinstance(exc, ModelUnavailable):
+            code = "model_unavailable"
         elif isinstance(exc, PermanentRenderError):
             code = "invalid_for_model"
         else:
             code = "render_failed"
-        log.exception("render failed", extra=ctx)
+        if code == "model_unavailable":
+            log.warning("model unavailable: its breaker is open", extra={**ctx, "error": str(exc)})
+        else:
+            log.exception("render failed", extra=ctx)
         return _fail(settings, celery, job_id=job_id, token=token, code=code, message=f"{exc}")
 
 
@@ -264,41 +302,45 @@ def _fail(
     return "failed"
 
 
-def s3_unreachable(exc: BaseException) -> bool:
-    """S3 down, throttling or failing on its side (worth waiting for), not a refused request (bad credentials…).
-    A 5xx without an S3 error document (a proxy or load balancer in front of S3 answering for it, a gateway
-    timeout) is minio's ServerError or InvalidResponseError: as much an outage as a connection refused."""
-    if isinstance(exc, S3Error):
-        status = getattr(exc.response, "status", 0) or 0
-        return status >= 500 or exc.code in {"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout"}
-    if isinstance(exc, ServerError):
-        return exc.status_code >= 500
-    if isinstance(exc, InvalidResponseError):
-        return (getattr(exc, "_code", 0) or 0) >= 500
-    return isinstance(exc, Urllib3Error | ConnectionError | TimeoutError)
-
-
 def _upload(
     storage: Storage, key: str, path: Path, *, content_type: str, settings: Settings, lease: Lease, ctx: dict[str, str]
 ) -> StoredObject:
     """Upload under a deterministic key, retried while S3 is unreachable for up to ``worker_upload_retry_s`` (the
-    lease keeps being renewed meanwhile): an S3 outage delays the job, it does not spend one of its attempts."""
+    lease keeps being renewed meanwhile): an S3 outage delays the job, it does not spend one of its attempts.
+
+    Every call goes through this process's S3 breaker: while it is open the wait goes on without calling S3 (the
+    lease and a cancel are still checked at every backoff step), and the half-open probe is this upload or
+    another's. Only an outage counts against S3; a refused request is S3 answering."""
+    breaker = s3_breaker(settings)
 
     def log_wait(state: RetryCallState) -> None:
         error = state.outcome.exception() if state.outcome else None
+        if isinstance(error, CircuitOpen) and state.attempt_number % 30 != 1:
+            return  # the breaker's wait is logged when it starts, then about every 30 s
         log.warning("S3 unreachable at upload; retrying", extra={**ctx, "key": key, "error": repr(error)[:300]})
 
-    for attempt in Retrying(
-        retry=retry_if_exception(s3_unreachable),
+    def once() -> StoredObject:
+        lease.check()  # a cancel or a lost lease ends the wait
+        breaker.check()  # open: no call; the wait goes on
+        try:
+            stored = storage.upload(key, path, content_type=content_type)
+        except (S3Error, ServerError, InvalidResponseError) as exc:  # S3 answered, or a proxy for it
+            breaker.failure() if s3_unreachable(exc) else breaker.success()
+            raise
+        except BaseException as exc:
+            breaker.failure() if s3_unreachable(exc) else breaker.release()
+            raise
+        breaker.success()
+        return stored
+
+    retrying = Retrying(
+        retry=retry_if_exception(lambda exc: isinstance(exc, CircuitOpen) or s3_unreachable(exc)),
         stop=stop_after_delay(settings.worker_upload_retry_s),
         wait=_backoff(settings),
         before_sleep=log_wait,
         reraise=True,
-    ):
-        with attempt:
-            lease.check()  # a cancel or a lost lease ends the wait
-            return storage.upload(key, path, content_type=content_type)
-    raise AssertionError("unreachable: tenacity either returns or raises")
+    )
+    return retrying(once)
 
 
 def _render_and_store(
@@ -310,10 +352,6 @@ def _render_and_store(
     tenant_id: str,
     job_id: uuid.UUID,
 ) -> dict[str, object]:
-    import torch
-
-    from shared.render.pipeline import RenderOutOfMemory
-    from shared.render.registry import fall_back_to_low_vram, pipeline_for
     from shared.render.tiers import resolve_tier
     from shared.render.video import encode_mp4, write_poster
 
@@ -322,19 +360,7 @@ def _render_and_store(
     #    the next step when the job is cancelled.
     settings = celery.settings
     tier, tier_note = resolve_tier(spec.precision, settings.worker_precision)
-    pipeline = pipeline_for(spec.model, settings, tier=tier)
-    try:
-        result = _generate(pipeline, spec, celery=celery, lease=lease)
-    except torch.OutOfMemoryError as exc:
-        # The worker survives it (generate released the render's memory). Once in low_vram, for this model from now.
-        if pipeline.memory_mode == "low_vram":
-            raise RenderOutOfMemory(f"CUDA out of memory in low_vram mode: {exc}"[:500]) from exc
-        log.warning("CUDA out of memory; retrying once in low_vram", extra={"job_id": str(job_id), "model": spec.model})
-        pipeline = fall_back_to_low_vram(spec.model, settings, tier=tier)
-        try:
-            result = _generate(pipeline, spec, celery=celery, lease=lease)
-        except torch.OutOfMemoryError as again:
-            raise RenderOutOfMemory(f"CUDA out of memory, in low_vram too: {again}"[:500]) from again
+    pipeline, result, degradation = _render(spec, celery=celery, lease=lease, tier=tier, job_id=job_id)
     lease.check()
     timings: dict[str, float] = {k: round(v, 4) for k, v in result.timings_s.items()}
     with tempfile.TemporaryDirectory(prefix="vidq-") as tmp:
@@ -367,16 +393,118 @@ def _render_and_store(
     }
     if result.peak_vram_bytes is not None:
         record["peak_vram_bytes"] = result.peak_vram_bytes
+    steps = spec.steps
+    output: dict[str, object] = {}
+    if degradation is not None:
+        # What was asked and what rendered (shared/render/degrade.py); the job's result key is cleared, so the result
+        # cache never serves this lower-tier video to a later request.
+        record["degraded"] = degradation.record()
+        steps = degradation.rendered.steps
+        output["result_key"] = None
     return {
+        **output,
         "output_key": video.key,
         "poster_key": poster.key,
         "output_bytes": video.size,
         "output_sha256": video.sha256,
         "output_frames": int(result.frames.shape[0]),
         "timings": record,
-        "progress_step": spec.steps,
-        "progress_total": spec.steps,
+        "progress_step": steps,
+        "progress_total": steps,
     }
+
+
+def _render(
+    spec: GenerationSpec, *, celery: VidqCelery, lease: Lease, tier: Precision, job_id: uuid.UUID
+) -> tuple[VideoPipeline, RenderResult, Degradation | None]:
+    """The job's render as asked; for a job that allows it, at the next lower tier when its model and shape are
+    unavailable (breaker open) or out of memory even in low_vram (shared/render/degrade.py). The lower tier is
+    tried once: its own failure fails the job with its code."""
+    from shared.render.degrade import Degradation, lower_tier
+    from shared.render.pipeline import RenderOutOfMemory
+
+    settings = celery.settings
+    try:
+        pipeline, result = _render_guarded(spec, celery=celery, lease=lease, tier=tier, job_id=job_id)
+        return pipeline, result, None
+    except (ModelUnavailable, RenderOutOfMemory) as exc:
+        lower = lower_tier(spec, settings) if spec.allow_degraded else None
+        if lower is None:
+            raise
+        reason: Literal["model_unavailable", "out_of_memory"] = (
+            "model_unavailable" if isinstance(exc, ModelUnavailable) else "out_of_memory"
+        )
+        log.warning(
+            "rendering at the lower tier (allow_degraded)",
+            extra={
+                "job_id": str(job_id),
+                "reason": reason,
+                "asked": f"{spec.steps} steps {spec.width}x{spec.height}",
+                "lower": f"{lower.steps} steps {lower.width}x{lower.height}",
+            },
+        )
+    try:
+        pipeline, result = _render_guarded(lower, celery=celery, lease=lease, tier=tier, job_id=job_id)
+    except (ModelUnavailable, RenderOutOfMemory) as again:
+        raise type(again)(f"{again} (at the lower tier too, allow_degraded)"[:500]) from again
+    return pipeline, result, Degradation(reason, spec, lower)
+
+
+def _render_guarded(
+    spec: GenerationSpec, *, celery: VidqCelery, lease: Lease, tier: Precision, job_id: uuid.UUID
+) -> tuple[VideoPipeline, RenderResult]:
+    """One render of ``spec`` through its model+shape breaker: refused at once (``ModelUnavailable``) while the
+    breaker is open. A render that fails (out of memory even in low_vram, an error of the model or the pipeline)
+    counts against it; a cancel, a lost lease, the time limit and transient infrastructure errors count neither
+    way."""
+    from services.worker.gpu_thread import RenderAbandoned
+
+    breaker = model_breaker(celery.settings, spec)
+    if not breaker.allow():
+        shape = f"{spec.height}x{spec.width}x{spec.num_frames}"
+        raise ModelUnavailable(
+            f"{spec.model} at {shape} keeps failing on this worker; it is tried again in "
+            f"{breaker.retry_after_s():.0f} s"
+        )
+    try:
+        rendered = _render_with_fallback(spec, celery=celery, lease=lease, tier=tier, job_id=job_id)
+    except (JobCancelled, LeaseLost, SoftTimeLimitExceeded, RenderAbandoned, *TRANSIENT):
+        breaker.release()
+        raise
+    except Exception:
+        breaker.failure()
+        raise
+    except BaseException:
+        breaker.release()
+        raise
+    breaker.success()
+    return rendered
+
+
+def _render_with_fallback(
+    spec: GenerationSpec, *, celery: VidqCelery, lease: Lease, tier: Precision, job_id: uuid.UUID
+) -> tuple[VideoPipeline, RenderResult]:
+    """One render; a CUDA out-of-memory error retries it once in low_vram (and keeps the model there), and one in
+    low_vram is ``RenderOutOfMemory``."""
+    import torch
+
+    from shared.render.pipeline import RenderOutOfMemory
+    from shared.render.registry import fall_back_to_low_vram, pipeline_for
+
+    settings = celery.settings
+    pipeline = pipeline_for(spec.model, settings, tier=tier)
+    try:
+        return pipeline, _generate(pipeline, spec, celery=celery, lease=lease)
+    except torch.OutOfMemoryError as exc:
+        # The worker survives it (generate released the render's memory). Once in low_vram, for this model from now.
+        if pipeline.memory_mode == "low_vram":
+            raise RenderOutOfMemory(f"CUDA out of memory in low_vram mode: {exc}"[:500]) from exc
+        log.warning("CUDA out of memory; retrying once in low_vram", extra={"job_id": str(job_id), "model": spec.model})
+    pipeline = fall_back_to_low_vram(spec.model, settings, tier=tier)
+    try:
+        return pipeline, _generate(pipeline, spec, celery=celery, lease=lease)
+    except torch.OutOfMemoryError as again:
+        raise RenderOutOfMemory(f"CUDA out of memory, in low_vram too: {again}"[:500]) from again
 
 
 _oom_faults: list[int] = []  # test knob (VIDQ_WORKER_FAULT_OOM_RENDERS): renders of this process left to fail

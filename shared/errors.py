@@ -91,3 +91,9 @@ class EmbeddingsUnavailable(Exception):
     Defined here, not beside the remote encoder that raises it, so the worker's task module imports no torch: Celery's
     main process loads that module, and a process that touched CUDA cannot fork a pool process that uses it.
     """
+
+
+class ModelUnavailable(Exception):
+    """A job's model and shape keep failing on this worker (their circuit breaker is open, shared/infra/breakers.py):
+    the job fails at once with ``model_unavailable`` instead of rendering, unless it allows a degraded render.
+    Defined here, torch-free, for the same reason as ``EmbeddingsUnavailable``."""

@@ -27,8 +27,12 @@ def _no_nul(text: str) -> str:
     return text
 
 
+# Wan's VAE downsamples by 8 and its transformer patches 2×2: width and height are multiples of this.
+SIZE_MULTIPLE = 16
+
+
 def _multiple_of_16(size: int) -> int:
-    if size % 16:  # Wan's VAE downsamples by 8 and its transformer patches 2×2
+    if size % SIZE_MULTIPLE:
         raise ValueError("width and height must be multiples of 16")
     return size
 
@@ -56,6 +60,12 @@ PRECISION_DESCRIPTION = (
     "the render's numeric tier: 'exact' (bf16 with kernels that keep the math) or 'fast' (8-bit; until that path is "
     "built, a fast job renders as exact). Null or left out: the worker's default (VIDQ_WORKER_PRECISION, 'exact' "
     "unless the operator changes it)"
+)
+ALLOW_DEGRADED_DESCRIPTION = (
+    "true: when this job's model and shape are failing on the worker (their circuit breaker is open) or the GPU runs "
+    "out of memory even in low_vram mode, render it at the next lower tier instead of failing (half the steps, each "
+    "side halved to a multiple of 16); the result then says degraded: true and degraded_from. false (the default): "
+    "such a job fails with model_unavailable or out_of_memory"
 )
 
 # Part of every result key (GenerationSpec.result_key): bumping it retires every stored key at once.
@@ -88,9 +98,10 @@ class GenerationSpec(BaseModel):
     """What a worker needs to render one video: every value resolved at submit, except ``precision``, which may be
     left to the worker (``None``: the worker renders in its ``VIDQ_WORKER_PRECISION``).
 
-    Optional fields (default ``None``) are left out of the stored form while they are ``None`` and read back as
-    ``None`` when a stored spec lacks them: a field added that way changes neither the stored spec nor the result
-    key of a job that does not use it (jobs stored before it existed included)."""
+    Optional fields (those with a default: ``precision`` None, ``allow_degraded`` false) are left out of the stored
+    form while at their default and read back as it when a stored spec lacks them: a field added that way changes
+    neither the stored spec nor the result key of a job that does not use it (jobs stored before it existed
+    included)."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -105,12 +116,15 @@ class GenerationSpec(BaseModel):
     guidance_scale: GuidanceScale
     seed: Seed
     precision: Precision | None = Field(default=None, description=PRECISION_DESCRIPTION)
+    allow_degraded: bool = Field(default=False, description=ALLOW_DEGRADED_DESCRIPTION)
 
     def to_dict(self) -> dict[str, Any]:
-        """The stored form (``jobs.spec``, JSON): every field, except an optional one (default ``None``) that is
-        ``None`` (a job that names no precision is stored, and keyed, as before the field existed)."""
-        unset = {name for name, field in type(self).model_fields.items() if field.default is None}
-        return self.model_dump(mode="json", exclude={name for name in unset if getattr(self, name) is None})
+        """The stored form (``jobs.spec``, JSON): every field, except an optional one (one with a default) at its
+        default (a job that names no precision, or does not allow degrading, is stored, and keyed, as before the
+        field existed)."""
+        fields = type(self).model_fields.items()
+        unset = {name for name, field in fields if not field.is_required() and getattr(self, name) == field.default}
+        return self.model_dump(mode="json", exclude=unset)
 
     def batch_key(self) -> dict[str, Any]:
         """What videos must share to render in one batch: the model, the precision tier asked for, the shape, the
@@ -126,8 +140,11 @@ class GenerationSpec(BaseModel):
         prompt, the seed, size, frames, fps, steps, guidance, a precision named) may not reuse it. It hashes
         ``to_dict()`` rather than a list of names, so a render parameter added to this class later is in the key
         without anyone remembering to add it; an optional one is in it only when set (``to_dict`` leaves it out at
-        ``None``), so keys made before it existed still match. A job that names no precision is keyed without
+        its default), so keys made before it existed still match. A job that names no precision is keyed without
         one, so it may reuse a video rendered in whichever tier was the workers' default when that video was made.
+        ``allow_degraded`` is in the key when true: such a job may be rendered at a lower tier, so its video never
+        serves a job that did not allow that (and a degraded result is never reused at all: the worker clears its
+        key, services/worker/runner.py).
         What is not a render parameter (webhook URL, metadata, the request's ``cache`` flag) is not in the spec, so
         not in the key. A request without a seed is given a random one when it is resolved (``JobCreate.to_spec``),
         so it practically never matches: a different seed is a different video. ``RESULT_KEY_VERSION`` is bumped

@@ -8,35 +8,59 @@ import logging
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, TypeVar
 
+from celery.exceptions import SoftTimeLimitExceeded
 from minio.error import InvalidResponseError, S3Error, ServerError
+from sqlalchemy.exc import OperationalError
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_delay, wait_random_exponential
 from urllib3.exceptions import HTTPError as Urllib3Error
 
 from services.worker.batching import Claimed
+from services.worker.breakers import model_breaker, s3_breaker
 from services.worker.lease import Lease
 from services.worker.metrics import STAGE_SECONDS
 from services.worker.scheduling import render_cost
+from shared.errors import EmbeddingsUnavailable, JobCancelled, LeaseLost, ModelUnavailable
+from shared.infra import retries
+from shared.infra.breakers import CircuitBreaker, CircuitOpen
 from shared.infra.config import Settings
-from shared.infra.storage import Storage, StoredObject, poster_key, video_key
+from shared.infra.storage import Storage, StoredObject, poster_key, s3_unreachable, video_key
 from shared.infra.tracing import stage_span
 from shared.messaging.celery_app import VidqCelery
-from shared.spec import GenerationSpec
+from shared.spec import GenerationSpec, Precision
 
 if TYPE_CHECKING:  # the render code (torch) is imported where a job renders, not when the task module loads
+    from shared.render.degrade import Degradation
     from shared.render.pipeline import RenderResult, VideoPipeline
+
+T = TypeVar("T")
 
 log = logging.getLogger("vidq.worker.render")
 
 
 def backoff(settings: Settings) -> wait_random_exponential:
-    """Exponential from ``worker_db_retry_base_s``, ×2, capped at ``worker_db_retry_max_s``, full jitter: a
-    dependency that comes back is seen within about the cap."""
-    return wait_random_exponential(multiplier=settings.worker_db_retry_base_s, max=settings.worker_db_retry_max_s)
+    """Exponential from ``worker_db_retry_base_s``, ×2, capped at ``worker_db_retry_max_s``, full jitter
+    (shared/infra/retries.py): a dependency that comes back is seen within about the cap."""
+    return retries.backoff(settings.worker_db_retry_base_s, settings.worker_db_retry_max_s)
+
+
+# Failures that hand the job back for another attempt (DB, S3, network, no text encoder answering, S3's breaker
+# open past worker_upload_retry_s): they say nothing about the render, so they never count against a model.
+TRANSIENT: tuple[type[BaseException], ...] = (
+    EmbeddingsUnavailable,
+    CircuitOpen,
+    OperationalError,
+    S3Error,
+    Urllib3Error,
+    ConnectionError,
+    TimeoutError,
+    OSError,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +70,7 @@ class Rendered:
     result: RenderResult
     memory_mode: str
     tier_note: str | None
+    degradation: Degradation | None = None  # rendered at the next lower tier (allow_degraded): what and why
 
 
 def render_members(members: list[Claimed], leases: list[Lease], *, celery: VidqCelery) -> list[Rendered | Exception]:
@@ -59,10 +84,14 @@ def render_members(members: list[Claimed], leases: list[Lease], *, celery: VidqC
     from shared.render.tiers import resolve_tier
 
     spec = members[0].spec
+    breaker = model_breaker(celery.settings, spec)
+    if not breaker.allow():  # each member alone: unavailable, or degraded where it allows it
+        return [_render_alone(m.spec, lease, celery=celery) for m, lease in zip(members, leases, strict=True)]
     tier, tier_note = resolve_tier(spec.precision, celery.settings.worker_precision)
     pipeline = pipeline_for(spec.model, celery.settings, tier=tier)
     try:
-        results = _generate_batch(pipeline, [m.spec for m in members], celery=celery, leases=leases)
+        specs = [m.spec for m in members]
+        results = _guarded(breaker, lambda: _generate_batch(pipeline, specs, celery=celery, leases=leases))
     except torch.OutOfMemoryError:
         log.warning("out of memory in a batch; rendering its jobs one at a time", extra={"batch": len(members)})
         return [_render_alone(m.spec, lease, celery=celery) for m, lease in zip(members, leases, strict=True)]
@@ -81,18 +110,91 @@ def _render_alone(spec: GenerationSpec, lease: Lease, *, celery: VidqCelery) -> 
 def render_one(spec: GenerationSpec, lease: Lease, *, celery: VidqCelery) -> Rendered:
     """One job's render (the pipeline is loaded once per process and kept warm); the prompt embeddings come from
     the embedding cache (services/worker/embeddings.py); the lease's on_step reports progress and stops the
-    denoising loop at the next step when the job is cancelled. Out of memory: once again in low_vram."""
+    denoising loop at the next step when the job is cancelled. For a job that allows it, the next lower tier when
+    its model and shape are unavailable (breaker open) or out of memory even in low_vram (shared/render/degrade.py);
+    the lower tier is tried once: its own failure fails the job with its code."""
+    from shared.render.degrade import Degradation, lower_tier
+    from shared.render.pipeline import RenderOutOfMemory
+    from shared.render.tiers import resolve_tier
+
+    settings, job_id = celery.settings, lease.job_id
+    tier, tier_note = resolve_tier(spec.precision, settings.worker_precision)
+    try:
+        pipeline, result = _render_guarded(spec, celery=celery, lease=lease, tier=tier)
+        return Rendered(result, pipeline.memory_mode, tier_note)
+    except (ModelUnavailable, RenderOutOfMemory) as exc:
+        lower = lower_tier(spec, settings) if spec.allow_degraded else None
+        if lower is None:
+            raise
+        reason: Literal["model_unavailable", "out_of_memory"] = (
+            "model_unavailable" if isinstance(exc, ModelUnavailable) else "out_of_memory"
+        )
+        log.warning(
+            "rendering at the lower tier (allow_degraded)",
+            extra={
+                "job_id": str(job_id),
+                "reason": reason,
+                "asked": f"{spec.steps} steps {spec.width}x{spec.height}",
+                "lower": f"{lower.steps} steps {lower.width}x{lower.height}",
+            },
+        )
+    try:
+        pipeline, result = _render_guarded(lower, celery=celery, lease=lease, tier=tier)
+    except (ModelUnavailable, RenderOutOfMemory) as again:
+        raise type(again)(f"{again} (at the lower tier too, allow_degraded)"[:500]) from again
+    return Rendered(result, pipeline.memory_mode, tier_note, Degradation(reason, spec, lower))
+
+
+def _render_guarded(
+    spec: GenerationSpec, *, celery: VidqCelery, lease: Lease, tier: Precision
+) -> tuple[VideoPipeline, RenderResult]:
+    """One render of ``spec`` through its model+shape breaker: refused at once (``ModelUnavailable``) while the
+    breaker is open. A render that fails (out of memory even in low_vram, an error of the model or the pipeline)
+    counts against it; a cancel, a lost lease, the time limit and transient infrastructure errors count neither
+    way."""
+    breaker = model_breaker(celery.settings, spec)
+    if not breaker.allow():
+        shape = f"{spec.height}x{spec.width}x{spec.num_frames}"
+        raise ModelUnavailable(
+            f"{spec.model} at {shape} keeps failing on this worker; it is tried again in "
+            f"{breaker.retry_after_s():.0f} s"
+        )
+    return _guarded(breaker, lambda: _render_with_fallback(spec, celery=celery, lease=lease, tier=tier))
+
+
+def _guarded(breaker: CircuitBreaker, render: Callable[[], T]) -> T:
+    """``render()`` with its outcome recorded on the model's breaker."""
+    from services.worker.gpu_thread import RenderAbandoned
+
+    try:
+        rendered = render()
+    except (JobCancelled, LeaseLost, SoftTimeLimitExceeded, RenderAbandoned, *TRANSIENT):
+        breaker.release()
+        raise
+    except Exception:
+        breaker.failure()
+        raise
+    except BaseException:
+        breaker.release()
+        raise
+    breaker.success()
+    return rendered
+
+
+def _render_with_fallback(
+    spec: GenerationSpec, *, celery: VidqCelery, lease: Lease, tier: Precision
+) -> tuple[VideoPipeline, RenderResult]:
+    """One render; a CUDA out-of-memory error retries it once in low_vram (and keeps the model there), and one in
+    low_vram is ``RenderOutOfMemory``."""
     import torch
 
     from shared.render.pipeline import RenderOutOfMemory
     from shared.render.registry import fall_back_to_low_vram, pipeline_for
-    from shared.render.tiers import resolve_tier
 
     settings = celery.settings
-    tier, tier_note = resolve_tier(spec.precision, settings.worker_precision)
     pipeline = pipeline_for(spec.model, settings, tier=tier)
     try:
-        result = _generate(pipeline, spec, celery=celery, lease=lease)
+        return pipeline, _generate(pipeline, spec, celery=celery, lease=lease)
     except torch.OutOfMemoryError as exc:
         # The worker survives it (generate released the render's memory). Once in low_vram, for this model from now.
         if pipeline.memory_mode == "low_vram":
@@ -100,49 +202,52 @@ def render_one(spec: GenerationSpec, lease: Lease, *, celery: VidqCelery) -> Ren
         log.warning(
             "CUDA out of memory; retrying once in low_vram", extra={"job_id": str(lease.job_id), "model": spec.model}
         )
-        pipeline = fall_back_to_low_vram(spec.model, settings, tier=tier)
-        try:
-            result = _generate(pipeline, spec, celery=celery, lease=lease)
-        except torch.OutOfMemoryError as again:
-            raise RenderOutOfMemory(f"CUDA out of memory, in low_vram too: {again}"[:500]) from again
-    return Rendered(result, pipeline.memory_mode, tier_note)
-
-
-def s3_unreachable(exc: BaseException) -> bool:
-    """S3 down, throttling or failing on its side (worth waiting for), not a refused request (bad credentials…).
-    A 5xx without an S3 error document (a proxy or load balancer in front of S3 answering for it, a gateway
-    timeout) is minio's ServerError or InvalidResponseError: as much an outage as a connection refused."""
-    if isinstance(exc, S3Error):
-        status = getattr(exc.response, "status", 0) or 0
-        return status >= 500 or exc.code in {"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout"}
-    if isinstance(exc, ServerError):
-        return exc.status_code >= 500
-    if isinstance(exc, InvalidResponseError):
-        return (getattr(exc, "_code", 0) or 0) >= 500
-    return isinstance(exc, Urllib3Error | ConnectionError | TimeoutError)
+    pipeline = fall_back_to_low_vram(spec.model, settings, tier=tier)
+    try:
+        return pipeline, _generate(pipeline, spec, celery=celery, lease=lease)
+    except torch.OutOfMemoryError as again:
+        raise RenderOutOfMemory(f"CUDA out of memory, in low_vram too: {again}"[:500]) from again
 
 
 def _upload(
     storage: Storage, key: str, path: Path, *, content_type: str, settings: Settings, lease: Lease, ctx: dict[str, str]
 ) -> StoredObject:
     """Upload under a deterministic key, retried while S3 is unreachable for up to ``worker_upload_retry_s`` (the
-    lease keeps being renewed meanwhile): an S3 outage delays the job, it does not spend one of its attempts."""
+    lease keeps being renewed meanwhile): an S3 outage delays the job, it does not spend one of its attempts.
+
+    Every call goes through this process's S3 breaker: while it is open the wait goes on without calling S3 (the
+    lease and a cancel are still checked at every backoff step), and the half-open probe is this upload or
+    another's. Only an outage counts against S3; a refused request is S3 answering."""
+    breaker = s3_breaker(settings)
 
     def log_wait(state: RetryCallState) -> None:
         error = state.outcome.exception() if state.outcome else None
+        if isinstance(error, CircuitOpen) and state.attempt_number % 30 != 1:
+            return  # the breaker's wait is logged when it starts, then about every 30 s
         log.warning("S3 unreachable at upload; retrying", extra={**ctx, "key": key, "error": repr(error)[:300]})
 
-    for attempt in Retrying(
-        retry=retry_if_exception(s3_unreachable),
+    def once() -> StoredObject:
+        lease.check()  # a cancel or a lost lease ends the wait
+        breaker.check()  # open: no call; the wait goes on
+        try:
+            stored = storage.upload(key, path, content_type=content_type)
+        except (S3Error, ServerError, InvalidResponseError) as exc:  # S3 answered, or a proxy for it
+            breaker.failure() if s3_unreachable(exc) else breaker.success()
+            raise
+        except BaseException as exc:
+            breaker.failure() if s3_unreachable(exc) else breaker.release()
+            raise
+        breaker.success()
+        return stored
+
+    retrying = Retrying(
+        retry=retry_if_exception(lambda exc: isinstance(exc, CircuitOpen) or s3_unreachable(exc)),
         stop=stop_after_delay(settings.worker_upload_retry_s),
         wait=backoff(settings),
         before_sleep=log_wait,
         reraise=True,
-    ):
-        with attempt:
-            lease.check()  # a cancel or a lost lease ends the wait
-            return storage.upload(key, path, content_type=content_type)
-    raise AssertionError("unreachable: tenacity either returns or raises")
+    )
+    return retrying(once)
 
 
 def store(
@@ -191,15 +296,24 @@ def store(
     }
     if result.peak_vram_bytes is not None:
         record["peak_vram_bytes"] = result.peak_vram_bytes
+    steps = spec.steps
+    output: dict[str, object] = {}
+    if rendered.degradation is not None:
+        # What was asked and what rendered (shared/render/degrade.py); the job's result key is cleared, so the result
+        # cache never serves this lower-tier video to a later request.
+        record["degraded"] = rendered.degradation.record()
+        steps = rendered.degradation.rendered.steps
+        output["result_key"] = None
     return {
+        **output,
         "output_key": video.key,
         "poster_key": poster.key,
         "output_bytes": video.size,
         "output_sha256": video.sha256,
         "output_frames": int(result.frames.shape[0]),
         "timings": record,
-        "progress_step": spec.steps,
-        "progress_total": spec.steps,
+        "progress_step": steps,
+        "progress_total": steps,
     }
 
 

@@ -13,20 +13,18 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
 from celery.exceptions import SoftTimeLimitExceeded
-from minio.error import S3Error
 from opentelemetry import trace
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_delay
-from urllib3.exceptions import HTTPError as Urllib3Error
 
 from services.worker.batching import Claimed, gather_riders
 from services.worker.lease import Lease
 from services.worker.metrics import BUSY, FAILURES, JOBS, QUEUE_WAIT
-from services.worker.render import Rendered, backoff, render_members, store
+from services.worker.render import TRANSIENT, Rendered, backoff, render_members, store
 from services.worker.scheduling import busy, job_done
-from shared.errors import EmbeddingsUnavailable, JobCancelled, LeaseLost
+from shared.errors import EmbeddingsUnavailable, JobCancelled, LeaseLost, ModelUnavailable
 from shared.infra.config import Settings
 from shared.infra.db import session_scope
 from shared.infra.storage import Storage
@@ -282,15 +280,7 @@ def _complete(
             code="time_limit",
             message="task time limit",
         )
-    except (
-        EmbeddingsUnavailable,
-        OperationalError,
-        S3Error,
-        Urllib3Error,
-        ConnectionError,
-        TimeoutError,
-        OSError,
-    ) as exc:
+    except TRANSIENT as exc:
         # Transient (DB, S3, network, no text encoder answering): hand the job back for another attempt, or fail
         # once attempts are spent.
         log.warning("transient failure", extra={**ctx, "error": repr(exc)})
@@ -319,11 +309,16 @@ def _complete(
 
         if isinstance(exc, RenderOutOfMemory):
             code = "out_of_memory"
+        elif isinstance(exc, ModelUnavailable):
+            code = "model_unavailable"
         elif isinstance(exc, PermanentRenderError):
             code = "invalid_for_model"
         else:
             code = "render_failed"
-        log.exception("render failed", extra=ctx)
+        if code == "model_unavailable":
+            log.warning("model unavailable: its breaker is open", extra={**ctx, "error": str(exc)})
+        else:
+            log.exception("render failed", extra=ctx)
         return _fail(settings, celery, job_id=job_id, token=token, code=code, message=f"{exc}")
 
 

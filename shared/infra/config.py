@@ -294,6 +294,28 @@ class Settings(BaseSettings):
     # Bearer token of the operator endpoints (/v1/admin/…: cache statistics). Empty: those endpoints answer 404.
     admin_token: str = ""
 
+    # --- fault isolation: circuit breakers, retries, degraded rendering ------------------------------------------
+    # Circuit breakers (shared/infra/breakers.py), one per dependency and per process: open when at least
+    # breaker_failure_ratio of at least breaker_min_calls calls within breaker_window_s failed; refuse calls for
+    # breaker_open_s; then let one probe through (success closes, failure opens again).
+    breaker_failure_ratio: float = Field(default=0.5, gt=0, le=1)
+    breaker_min_calls: int = Field(default=20, ge=1)
+    breaker_window_s: float = Field(default=60.0, gt=0)
+    breaker_open_s: float = Field(default=60.0, gt=0)
+    # Breakers kept per kind (webhook hosts, model+shape) in a process; the least recently used beyond this go.
+    breaker_max_keys: int = Field(default=1000, ge=1)
+    # Retries of single external calls (shared/infra/retries.py): from retry_base_s, ×2, at most retry_max_s,
+    # full jitter; at most this many retries for idempotent work (S3 reads) and for non-idempotent (webhook POST).
+    retry_base_s: float = Field(default=0.1, gt=0)
+    retry_max_s: float = Field(default=1.0, gt=0)
+    retry_idempotent_max: int = Field(default=3, ge=0)
+    retry_non_idempotent_max: int = Field(default=2, ge=0)
+    # Degraded rendering (shared/render/degrade.py): a job with allow_degraded renders at the next lower tier when
+    # its model+shape breaker is open or it runs out of GPU memory: steps × this (at least 1), each side × this
+    # (rounded down to the model's multiple of 16, at least 16).
+    degrade_steps_factor: float = Field(default=0.5, gt=0, lt=1)
+    degrade_side_factor: float = Field(default=0.5, gt=0, lt=1)
+
     @model_validator(mode="after")
     def _watermark_levels(self) -> Settings:
         levels = (self.watermark_idle, self.watermark_normal, self.watermark_busy)

@@ -1,20 +1,33 @@
-"""S3 (MinIO/SeaweedFS/AWS) through the ``minio`` client, with timeouts on every call."""
+"""S3 (MinIO/SeaweedFS/AWS) through the ``minio`` client, with timeouts on every call.
+
+Reads (``exists``, ``open``, ``list_keys``, ``ensure_bucket``) are idempotent: one that meets an S3 outage
+(``s3_unreachable``) is retried with the idempotent policy of shared/infra/retries.py (at most 3 retries, backoff
+from 100 ms to 1 s). ``upload`` is tried once: the worker waits out an outage around it (services/worker/runner.py
+``_upload``, through its S3 circuit breaker). ``ping`` is a probe and is never retried. The HTTP client itself
+retries nothing, so a call is retried in exactly one place."""
 
 from __future__ import annotations
 
 import hashlib
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import TypeVar
 
 import urllib3
 from minio import Minio
-from minio.error import S3Error
+from minio.error import InvalidResponseError, S3Error, ServerError
+from tenacity import retry_if_exception
 from urllib3 import BaseHTTPResponse
+from urllib3.exceptions import HTTPError as Urllib3Error
 
 from shared.infra.config import Settings
+from shared.infra.retries import idempotent
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,8 +83,22 @@ def make_client(settings: Settings, *, public: bool = False) -> Minio:
         region=settings.s3_region,
         timeout_s=settings.s3_timeout_s,
         connect_timeout_s=5.0,
-        retries=3,
+        retries=0,  # Storage retries what may be retried (tenacity, shared/infra/retries.py)
     )
+
+
+def s3_unreachable(exc: BaseException) -> bool:
+    """S3 down, throttling or failing on its side (worth waiting for), not a refused request (bad credentials…).
+    A 5xx without an S3 error document (a proxy or load balancer in front of S3 answering for it, a gateway
+    timeout) is minio's ServerError or InvalidResponseError: as much an outage as a connection refused."""
+    if isinstance(exc, S3Error):
+        status = getattr(exc.response, "status", 0) or 0
+        return status >= 500 or exc.code in {"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout"}
+    if isinstance(exc, ServerError):
+        return exc.status_code >= 500
+    if isinstance(exc, InvalidResponseError):
+        return (getattr(exc, "_code", 0) or 0) >= 500
+    return isinstance(exc, Urllib3Error | ConnectionError | TimeoutError)
 
 
 # What S3 answers for an object that is not there.
@@ -119,9 +146,14 @@ class Storage:
         self.presign_cache_size = presign_cache_size
         self._presigned: OrderedDict[tuple[str, int, int], PresignedUrl] = OrderedDict()
         self._presign_lock = threading.Lock()  # the API presents jobs from several threads
+        self._reads = idempotent(settings)
+
+    def _read(self, call: Callable[[], T]) -> T:
+        """An idempotent call, retried while S3 is unreachable (the idempotent policy)."""
+        return self._reads.retrying(retry=retry_if_exception(s3_unreachable))(call)
 
     def ensure_bucket(self) -> None:
-        ensure_bucket(self.client, self.bucket)
+        self._read(lambda: ensure_bucket(self.client, self.bucket))
 
     def ping(self) -> bool:
         return self.client.bucket_exists(self.bucket)
@@ -129,7 +161,7 @@ class Storage:
     def exists(self, key: str) -> bool:
         """Whether ``key`` is stored (a HEAD). False for a missing object; S3 errors of any other kind raise."""
         try:
-            self.client.stat_object(self.bucket, key)
+            self._read(lambda: self.client.stat_object(self.bucket, key))
         except S3Error as exc:
             if exc.code in _MISSING:
                 return False
@@ -140,7 +172,7 @@ class Storage:
         """The stored object's body, not read yet (stream it, then ``close()`` and ``release_conn()``), or None when
         it is not stored. Each read of the stream has the client's timeout; S3 errors of any other kind raise."""
         try:
-            return self.client.get_object(self.bucket, key)
+            return self._read(lambda: self.client.get_object(self.bucket, key))
         except S3Error as exc:
             if exc.code in _MISSING:
                 return None
@@ -183,4 +215,6 @@ class Storage:
         return PresignedUrl(url=url, expires_at=signed_at + timedelta(seconds=expires_s))
 
     def list_keys(self, prefix: str) -> list[str]:
-        return [o.object_name for o in self.client.list_objects(self.bucket, prefix=prefix, recursive=True)]
+        return self._read(
+            lambda: [o.object_name for o in self.client.list_objects(self.bucket, prefix=prefix, recursive=True)]
+        )

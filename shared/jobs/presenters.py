@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from shared.infra.config import Settings
 from shared.infra.storage import Storage
-from shared.jobs.schemas import ErrorOut, EstimateOut, JobOut, OutputOut, ProgressOut, ScoreOut
+from shared.jobs.schemas import DegradedFromOut, ErrorOut, EstimateOut, JobOut, OutputOut, ProgressOut, ScoreOut
 from shared.models import Job
 from shared.spec import GenerationSpec
 
@@ -14,10 +16,22 @@ def job_links(settings: Settings, job: Job) -> dict[str, str]:
     return {"self": base, "cancel": f"{base}/cancel", "webhooks": f"{base}/webhooks"}
 
 
+def degraded_from(timings: dict[str, Any]) -> tuple[DegradedFromOut | None, dict[str, int]]:
+    """A degraded job's ``timings.degraded`` (shared/render/degrade.py): what it asked for and why, and the
+    steps, width and height it rendered at. (None, {}) for a job rendered as asked."""
+    record = timings.get("degraded")
+    if not isinstance(record, dict):
+        return None, {}
+    asked = record.get("from") or {}
+    return DegradedFromOut(reason=str(record.get("reason", "")), **asked), dict(record.get("to") or {})
+
+
 def present_job(
     job: Job, *, settings: Settings, storage: Storage | None, estimate: EstimateOut | None = None
 ) -> JobOut:
     spec = GenerationSpec.from_dict(job.spec)
+    timings = job.timings or {}
+    degraded, rendered = degraded_from(timings)
     total = job.progress_total or spec.steps
     step = total if job.status == "succeeded" else job.progress_step
     output = None
@@ -35,8 +49,8 @@ def present_job(
             sha256=job.output_sha256 or "",
             frames=job.output_frames or spec.num_frames,
             fps=spec.fps,
-            width=spec.width,
-            height=spec.height,
+            width=rendered.get("width", spec.width),  # a degraded job's output has the size it rendered at
+            height=rendered.get("height", spec.height),
         )
     return JobOut(
         **spec.model_dump(),
@@ -57,12 +71,14 @@ def present_job(
         created_at=job.created_at,
         started_at=job.started_at,
         finished_at=job.finished_at,
-        timings=job.timings or {},
+        timings=timings,
         error=ErrorOut(code=job.error_code, message=job.error_message or "") if job.error_code else None,
         output=output,
         webhook_url=job.webhook_url,
         metadata=job.metadata_ or {},
         result_of=job.result_of,
+        degraded=degraded is not None,
+        degraded_from=degraded,
         estimate=estimate,
         links=job_links(settings, job),
     )

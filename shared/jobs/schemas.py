@@ -20,6 +20,7 @@ from shared.errors import InvalidRequest
 from shared.infra.config import Settings
 from shared.infra.urls import validate_webhook_url
 from shared.spec import (
+    ALLOW_DEGRADED_DESCRIPTION,
     PRECISION_DESCRIPTION,
     PRECISIONS,
     Dimension,
@@ -68,6 +69,7 @@ class JobCreate(BaseModel):
     seed: Seed | None = None
     model: str | None = None
     precision: Precision | None = Field(default=None, description=PRECISION_DESCRIPTION)
+    allow_degraded: bool = Field(default=False, description=ALLOW_DEGRADED_DESCRIPTION)
     webhook_url: str | None = None
     metadata: dict[str, MetadataValue] = Field(default_factory=dict)
     cache: bool = Field(
@@ -125,6 +127,7 @@ class JobCreate(BaseModel):
             guidance_scale=self.guidance_scale,
             seed=self.seed if self.seed is not None else secrets.randbelow(2**32),
             precision=self.precision,
+            allow_degraded=self.allow_degraded,
         )
 
     def size(self) -> tuple[int, int]:
@@ -198,12 +201,15 @@ class JobCreate(BaseModel):
         return problems
 
     def fingerprint(self) -> str:
-        """What makes two submissions 'the same request' for Idempotency-Key (the body as sent, canonical). ``cache``
-        and ``precision`` are part of the body (``false``, or a precision named, is another request), but left out
-        at their defaults so that keys stored before the fields existed still match their retries."""
+        """What makes two submissions 'the same request' for Idempotency-Key (the body as sent, canonical).
+        ``cache``, ``precision`` and ``allow_degraded`` are part of the body (``cache: false``, a precision named,
+        ``allow_degraded: true`` is another request), but left out at their defaults so that keys stored before the
+        fields existed still match their retries."""
         unchanged = {"cache"} if self.cache else set()
         if self.precision is None:
             unchanged.add("precision")
+        if not self.allow_degraded:
+            unchanged.add("allow_degraded")
         body = self.model_dump(mode="json", exclude_none=False, exclude=unchanged)
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
@@ -224,6 +230,17 @@ class ProgressOut(BaseModel):
 class ErrorOut(BaseModel):
     code: str
     message: str
+
+
+class DegradedFromOut(BaseModel):
+    """What a degraded job asked for, and why it was rendered at a lower tier."""
+
+    reason: str = Field(
+        description="model_unavailable (its model and shape were failing on the worker) or out_of_memory"
+    )
+    steps: int
+    width: int
+    height: int
 
 
 class OutputOut(BaseModel):
@@ -271,6 +288,13 @@ class JobOut(GenerationSpec):
     metadata: dict[str, Any]
     result_of: uuid.UUID | None = Field(
         description="the job whose stored video this job reuses (result cache); null when rendered"
+    )
+    degraded: bool = Field(
+        default=False,
+        description="true: rendered at a lower tier than asked (allow_degraded); output has the size rendered",
+    )
+    degraded_from: DegradedFromOut | None = Field(
+        default=None, description="for a degraded job: the steps, width and height asked for, and the reason"
     )
     estimate: EstimateOut | None = Field(
         default=None,

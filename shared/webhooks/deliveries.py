@@ -93,6 +93,34 @@ def record_attempt(
     repository.clear_webhook_pending(session, [job_id])
 
 
+def defer(
+    session: Session,
+    *,
+    job_id: uuid.UUID,
+    latest: WebhookDelivery | None,
+    delay_s: float,
+    grace_s: float,
+) -> None:
+    """An attempt not made (its host's circuit breaker is open) and not spent: it becomes due ``delay_s`` from now,
+    and nothing is added to the log. With an attempt on record, that attempt's planned retry moves
+    (``next_attempt_at``, its hand-over cleared); before the first attempt, the job's webhook mark moves, so that the
+    sweeper, which hands a job over ``grace_s`` after its mark, does so ``delay_s`` from now."""
+    if latest is not None:
+        session.execute(
+            update(WebhookDelivery)
+            .where(WebhookDelivery.id == latest.id)
+            .values(next_attempt_at=func.now() + timedelta(seconds=delay_s), handed_over_at=None)
+            .execution_options(synchronize_session=False)
+        )
+        return
+    session.execute(
+        update(Job)
+        .where(Job.id == job_id)
+        .values(webhook_pending_since=func.now() + timedelta(seconds=delay_s - grace_s))
+        .execution_options(synchronize_session=False)
+    )
+
+
 def job_log(session: Session, job_id: uuid.UUID) -> list[WebhookDelivery]:
     """Every attempt of the job, oldest first."""
     query = select(WebhookDelivery).where(WebhookDelivery.job_id == job_id).order_by(WebhookDelivery.id)

@@ -28,6 +28,21 @@ def next_delay_s(
     return max(0.0, schedule[attempt - 1] * uniform(1.0 - jitter, 1.0 + jitter))
 
 
+def deferral_s(
+    attempt: int,
+    *,
+    schedule: Sequence[float],
+    jitter: float = 0.1,
+    uniform: Callable[[float, float], float] = random.uniform,
+) -> float | None:
+    """How long attempt ``attempt`` waits when its receiver's host is refused by its circuit breaker: the delay the
+    schedule puts after that attempt (its last delay for an attempt past its end), as if it had been made and had
+    failed, but without spending it. None for an empty schedule."""
+    if not schedule:
+        return None
+    return next_delay_s(min(max(attempt, 1), len(schedule)), schedule=schedule, jitter=jitter, uniform=uniform)
+
+
 def message_id(job_id: uuid.UUID, event_type: str) -> str:
     """The ``webhook-id`` of a job's event: the same on every attempt of the schedule and on a redelivery, so a
     receiver drops the duplicates that at-least-once delivery sends."""

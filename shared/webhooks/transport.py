@@ -3,10 +3,17 @@
 The address is checked while connecting (resolve, check every address, connect to a checked IP), so DNS rebinding
 between a check and the connect cannot slip through. Redirects are reported (``redirect_not_followed``), never
 followed.
+
+``deliver_retrying`` is one attempt of the webhook schedule: a POST is not idempotent for its receiver, so within
+the attempt it is repeated (the non-idempotent policy of shared/infra/retries.py: at most 2 retries, backoff from
+100 ms to 1 s) only when it failed before the request could reach the receiver (refused connection, unresolvable
+name), and only within the attempt's one total timeout. Anything else (a 5xx, a timeout after sending) waits for
+the schedule's next attempt.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import socket
 import ssl
@@ -17,7 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpcore
+from tenacity import retry_if_result
 
+from shared.infra.retries import RetryPolicy
 from shared.infra.urls import AddressNotAllowed, IPAddress, check_address, validate_webhook_url
 
 Resolver = Callable[[str, int, float | None], list[IPAddress]]
@@ -189,3 +198,32 @@ def deliver(
     if 300 <= status < 400:
         return result(status, "redirect_not_followed", False, excerpt)
     return result(status, f"http_{status // 100}xx", status >= 500 or status in (408, 429), excerpt)
+
+
+# Failures where the request never reached the receiver: repeating them at once cannot deliver an event twice.
+NOT_SENT = frozenset({"connect_error", "dns_error"})
+
+
+def deliver_retrying(
+    url: str,
+    *,
+    policy: RetryPolicy,
+    body: bytes,
+    headers: dict[str, str],
+    timeout_s: float,
+    allow_private: bool,
+    ssl_context: ssl.SSLContext | None = None,
+) -> DeliveryResult:
+    """``deliver``, repeated under ``policy`` while the request could not be sent (``NOT_SENT``), every try within
+    the one ``timeout_s`` of the attempt. The last try's result, with the whole attempt's duration."""
+    started = time.monotonic()
+
+    def once() -> DeliveryResult:
+        left = max(0.001, timeout_s - (time.monotonic() - started))
+        return deliver(
+            url, body=body, headers=headers, timeout_s=left, allow_private=allow_private, ssl_context=ssl_context
+        )
+
+    retrying = policy.retrying(retry=retry_if_result(lambda r: r.error in NOT_SENT), within_s=timeout_s)
+    result: DeliveryResult = retrying(once)
+    return dataclasses.replace(result, duration_ms=int((time.monotonic() - started) * 1000))

@@ -30,6 +30,7 @@ CHANGED: dict[str, Any] = {
     "guidance_scale": 5.5,
     "seed": 2,
     "precision": "fast",
+    "allow_degraded": True,
 }
 
 
@@ -115,7 +116,7 @@ def test_precision_is_part_of_the_idempotency_fingerprint_only_when_named() -> N
 def test_cache_is_part_of_the_idempotency_fingerprint() -> None:
     default, on, off = JobCreate(**BODY), JobCreate(**BODY, cache=True), JobCreate(**BODY, cache=False)
     assert default.fingerprint() == on.fingerprint() != off.fingerprint()
-    # At its default the flag is left out (as is an unnamed precision): a key stored before the field existed still
-    # matches its retry.
-    before = default.model_dump(mode="json", exclude={"cache", "precision"})
+    # At its default the flag is left out (as are an unnamed precision and allow_degraded false): a key stored
+    # before the field existed still matches its retry.
+    before = default.model_dump(mode="json", exclude={"cache", "precision", "allow_degraded"})
     assert default.fingerprint() == hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()

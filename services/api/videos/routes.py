@@ -121,7 +121,7 @@ async def create_video(
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
 ) -> Video:
     """``client.videos.create``: a job, as ``POST /v1/jobs`` makes it. vidq's own parameters (steps, seed,
-    guidance_scale, negative_prompt, fps, precision, webhook_url, metadata, cache) come as extra fields
+    guidance_scale, negative_prompt, fps, precision, allow_degraded, webhook_url, metadata, cache) come as extra fields
     (``extra_body``)."""
     body = videos_service.job_request(await _params(request))
     try:

@@ -10,7 +10,8 @@ cache, scoring, the queues), marked as created through this API (``jobs.api_flav
 - ``model``: OpenAI's names (sora-2, sora-2-pro and their dated snapshots) render with vidq's default model; a vidq
   model name is used as it is; anything else is a 400.
 - vidq's own parameters come as extra fields (the SDK's ``extra_body``): ``negative_prompt``, ``fps``, ``steps``,
-  ``guidance_scale``, ``seed``, ``precision``, ``webhook_url``, ``metadata``, ``cache``. Any other field is a 400.
+  ``guidance_scale``, ``seed``, ``precision``, ``allow_degraded``, ``webhook_url``, ``metadata``, ``cache``. Any other
+  field is a 400.
 - An invalid request raises ``InvalidRequest`` with ``details={"param": <the OpenAI parameter>}``; the error
   handlers answer it as OpenAI's 400 (services/api/error_handlers.py).
 """
@@ -43,7 +44,18 @@ DEFAULT_SIZE = "720x1280"  # OpenAI's defaults (openai.types.VideoCreateParams)
 DEFAULT_SECONDS = "4"
 # vidq's parameters a create may carry besides OpenAI's (the SDK's extra_body); JobCreate validates them.
 PASS_THROUGH = frozenset(
-    {"negative_prompt", "fps", "steps", "guidance_scale", "seed", "precision", "webhook_url", "metadata", "cache"}
+    {
+        "negative_prompt",
+        "fps",
+        "steps",
+        "guidance_scale",
+        "seed",
+        "precision",
+        "allow_degraded",
+        "webhook_url",
+        "metadata",
+        "cache",
+    }
 )
 OPENAI_PARAMS = frozenset({"prompt", "model", "seconds", "size"})
 _OPENAI_MODEL = re.compile(r"sora-2(-pro)?(-\d{4}-\d{2}-\d{2})?")

@@ -6,7 +6,7 @@ import pytest
 from minio.error import InvalidResponseError, S3Error, ServerError
 from urllib3.exceptions import MaxRetryError, NewConnectionError, ProtocolError
 
-from services.worker.render import s3_unreachable
+from shared.infra.storage import s3_unreachable
 
 
 class _Response:

@@ -66,7 +66,6 @@ def real_stack(extra_env: dict[str, str] | None = None) -> Iterator[Stack]:
         "VIDQ_FLOWER_PORT": str(free_port()),
         "VIDQ_WORKER_METRICS_PORT": "0",
         "VIDQ_PREWARMER_METRICS_PORT": "0",
-        "VIDQ_LOG_LEVEL": "WARNING",
         **(extra_env or {}),
     }
     with psycopg.connect(PG, autocommit=True) as conn:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis
 
@@ -39,6 +39,7 @@ class Claimed:
     tenant_id: str
     spec: GenerationSpec
     traceparent: str | None
+    claimed_at: float = field(default_factory=time.monotonic)  # when: a job's cost runs from its claim to its end
 
 
 def window_s(settings: Settings, klass: PriorityClass, *, backlog: int, limit: int) -> float:

@@ -24,7 +24,6 @@ from services.worker.batching import Claimed
 from services.worker.breakers import model_breaker, s3_breaker
 from services.worker.lease import Lease
 from services.worker.metrics import STAGE_SECONDS
-from services.worker.scheduling import render_cost
 from shared.errors import EmbeddingsUnavailable, JobCancelled, LeaseLost, ModelUnavailable
 from shared.infra import retries
 from shared.infra.breakers import CircuitBreaker, CircuitOpen
@@ -284,7 +283,6 @@ def store(
         timings["upload"] = round(time.perf_counter() - t0, 4)
     for stage, seconds in timings.items():
         STAGE_SECONDS.labels(stage).observe(seconds)
-    render_cost(celery, spec, timings)  # what this shape costs, for the ETA quotes
     # Stored with the job: stage seconds plus where the render ran.
     record: dict[str, object] = {
         **timings,

@@ -23,7 +23,7 @@ from services.worker.batching import Claimed, gather_riders
 from services.worker.lease import Lease
 from services.worker.metrics import BUSY, FAILURES, JOBS, QUEUE_WAIT
 from services.worker.render import TRANSIENT, Rendered, backoff, render_members, store
-from services.worker.scheduling import busy, job_done
+from services.worker.scheduling import busy, job_done, render_cost
 from shared.errors import EmbeddingsUnavailable, JobCancelled, LeaseLost, ModelUnavailable
 from shared.infra.config import Settings
 from shared.infra.db import session_scope
@@ -248,6 +248,11 @@ def _complete(
             if isinstance(rendered, Exception):
                 raise rendered
             outcome = store(spec, rendered, celery=celery, storage=storage, lease=lease, tenant_id=tenant_id)
+            # The seconds this job held the worker, claim to stored video (a batch's member: the batch's so far).
+            worker_s = round(time.monotonic() - member.claimed_at, 4)
+            timings = outcome["timings"]
+            assert isinstance(timings, dict)
+            timings["worker"] = worker_s
         finally:
             lease.__exit__(None, None, None)
 
@@ -263,6 +268,8 @@ def _complete(
         if done is None:
             log.warning("finalize refused: fencing token is stale", extra=ctx)
             return "stale"
+        # What this job cost the worker, for the ETA quotes (a batch member: its share).
+        render_cost(celery, spec, {**rendered.result.timings_s, "elapsed": worker_s})
         return "succeeded"
     except JobCancelled:
         _settle(settings, celery, lambda s: cancelled_by_worker(s, job_id, token=token))

@@ -1,9 +1,10 @@
 """What a render costs, as the workers measured it: the basis of the ETA quotes (services/api/jobs/estimates.py).
 
-After each render a worker records one sample for its model and shape (frames × height × width): its steps, the
-seconds of its denoising loop, and the seconds of everything else that holds the worker (text encoding, VAE
-decode, MP4 encode, upload). The last ``eta_samples`` of each shape are kept in Redis (under the broker key prefix),
-so every API process quotes from the same, fresh measurements of the fleet it serves.
+After each job a worker records one sample for its model and shape (frames × height × width): its steps, the
+seconds of its denoising loop, and the seconds of everything else that held the worker from the claim until its
+video was stored (text encoding, VAE decode, MP4 encode, upload, the database). The last ``eta_samples`` of each
+shape are kept in Redis (under the broker key prefix), so every API process quotes from the same, fresh
+measurements of the fleet it serves.
 
 A cost for ``steps`` steps is, over the samples, the median of ``fixed + denoise × steps / sample steps``: for the
 steps the samples had, the median of the renders themselves. A shape nobody measured is costed from the nearest
@@ -60,13 +61,14 @@ def _samples_key(settings: Settings, shape: Shape) -> str:
 
 
 def record(client: redis.Redis, settings: Settings, spec: GenerationSpec, stages_s: Mapping[str, float]) -> None:
-    """One render's sample, from its stage seconds (the pipeline's ``denoise`` and ``total``, then ``encode`` and
-    ``upload``). Raises redis errors; the worker's caller ignores them."""
-    # A batch's denoising loop served every member at once: each member's share is the loop over the batch size.
-    denoise = float(stages_s.get("denoise", 0.0)) / max(1.0, float(stages_s.get("batch", 1.0)))
-    shared_denoise = float(stages_s.get("denoise", 0.0))
-    after = sum(float(stages_s.get(stage, 0.0)) for stage in ("encode", "upload"))
-    fixed = float(stages_s.get("total", shared_denoise)) - shared_denoise + after
+    """One job's sample, from its stage seconds: the pipeline's ``denoise`` and ``batch`` (the members it rendered
+    with), and ``elapsed``, the seconds from its claim to its video stored (everything the worker spent on it:
+    text, decode, encode, upload, the database; the job's timings show it as ``worker``). A batch's member is
+    charged its share: ``elapsed`` and ``denoise`` over the batch size. Raises redis errors; the worker's caller
+    ignores them."""
+    batch = max(1.0, float(stages_s.get("batch", 1.0)))
+    denoise = float(stages_s.get("denoise", 0.0)) / batch
+    fixed = float(stages_s.get("elapsed", stages_s.get("total", 0.0))) / batch - denoise
     shape = shape_of(spec)
     sample = json.dumps({"steps": spec.steps, "denoise_s": round(denoise, 4), "fixed_s": round(max(0.0, fixed), 4)})
     key = _samples_key(settings, shape)

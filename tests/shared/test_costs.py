@@ -45,13 +45,19 @@ def own(settings):
 
 def test_a_cost_is_the_median_of_the_renders_of_its_shape(own):
     client = broker_client(own)
-    for denoise, total in [(2.0, 3.0), (4.0, 5.5), (3.0, 4.0)]:
-        costs.record(client, own, spec(), {"denoise": denoise, "total": total, "encode": 0.5, "upload": 0.25})
+    for denoise, elapsed in [(2.0, 3.75), (4.0, 6.25), (3.0, 4.75)]:
+        costs.record(client, own, spec(), {"denoise": denoise, "total": elapsed - 1, "elapsed": elapsed})
     model = costs.load(client, own)
-    # Each render took total + encode + upload: 3.75, 6.25, 4.75 → median 4.75.
+    # Each job held the worker from claim to finalize: 3.75, 6.25, 4.75 → median 4.75.
     assert model.cost_s(spec()) == pytest.approx(4.75)
     # Twice the steps: the denoising part doubles (fixed + 2 × denoise: 5.75, 10.25, 7.75 → 7.75).
     assert model.cost_s(spec(steps=8)) == pytest.approx(7.75)
+
+
+def test_a_batch_member_is_charged_its_share(own):
+    client = broker_client(own)
+    costs.record(client, own, spec(), {"denoise": 4.0, "elapsed": 8.0, "batch": 4.0})
+    assert costs.load(client, own).cost_s(spec()) == pytest.approx(2.0)
 
 
 def test_only_the_last_samples_count(own):

@@ -2,8 +2,9 @@
 submit compared with what happened.
 
 First each kind of job in the mix renders ``--calibrate`` times, one at a time (the workers' measured costs the
-quotes stand on). Then ``--jobs`` jobs of the mix are submitted open loop at ``--load`` × the service rate that
-calibration measured, and each submit response's ``estimate`` is kept. Once all finished, per job:
+quotes stand on). Then ``--jobs`` jobs of the mix are submitted in bursts of ``--burst`` on a fixed schedule (open
+loop) at ``--load`` × the service rate that calibration measured, so the later jobs of a burst wait behind the
+earlier ones, and each submit response's ``estimate`` is kept. Once all finished, per job:
 
 - finish error = |actual − quoted| / actual, with actual = finished_at − created_at and quoted = finish_at −
   created_at;
@@ -50,9 +51,10 @@ def pct(values: list[float], q: float) -> float | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--jobs", type=int, default=40)
+    parser.add_argument("--jobs", type=int, default=60)
     parser.add_argument("--load", type=float, default=0.8, help="offered rate as a share of the service rate")
     parser.add_argument("--calibrate", type=int, default=3)
+    parser.add_argument("--burst", type=int, default=6, help="jobs submitted together, bursts spaced by the rate")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args(argv)
     with real_stack() as stack:
@@ -62,15 +64,22 @@ def main(argv: list[str] | None = None) -> int:
                 (sub,) = asyncio.run(open_loop(stack, [{**kind, "seed": 50_000 + i}], rate=1.0))
                 job = wait_finished(stack, [sub.body["id"]], timeout_s=180)[sub.body["id"]]
                 if i > 0:  # the first of a kind pays its warm-up
-                    seconds.append(when(job["finished_at"]) - when(job["started_at"]))
+                    seconds.append(float(job["timings"]["worker"]))
         rate = args.load / statistics.mean(seconds)
         time.sleep(2.0)  # the API's views have read the last calibration render
         bodies = [{**MIX[i % len(MIX)], "seed": i} for i in range(args.jobs)]
-        answers = asyncio.run(open_loop(stack, bodies, rate=rate))
+        answers = []
+        start = time.time()
+        for first in range(0, len(bodies), args.burst):  # bursts on a fixed schedule: later jobs of a burst wait
+            due = start + first / rate
+            if due > time.time():
+                time.sleep(due - time.time())
+            answers += asyncio.run(open_loop(stack, bodies[first : first + args.burst], rate=1000.0))
         ids = [a.body["id"] for a in answers if a.status == 202]
         finished = wait_finished(stack, ids, timeout_s=60 + 10 * len(ids) / rate)
     quotes = {a.body["id"]: a.body.get("estimate") for a in answers if a.status == 202}
     finish_err, start_err, unquoted = [], [], 0
+    rows: list[dict[str, Any]] = []
     for job_id, job in finished.items():
         quote = quotes[job_id]
         if job.get("status") != "succeeded":
@@ -82,6 +91,17 @@ def main(argv: list[str] | None = None) -> int:
         actual_finish = when(job["finished_at"]) - created
         actual_start = when(job["started_at"]) - created
         finish_err.append(abs(actual_finish - (when(quote["finish_at"]) - created)) / actual_finish)
+        rows.append(
+            {
+                "shape": f"{job['height']}x{job['width']}x{job['num_frames']}/{job['steps']}",
+                "actual_start_s": round(actual_start, 3),
+                "quoted_start_s": round(when(quote["start_at"]) - created, 3),
+                "actual_finish_s": round(actual_finish, 3),
+                "quoted_finish_s": round(when(quote["finish_at"]) - created, 3),
+                "worker_s": job["timings"].get("worker"),
+                "quoted_gpu_s": quote["gpu_seconds"],
+            }
+        )
         if actual_start > 0.5:  # a job that started at once has no wait worth a ratio
             start_err.append(abs(actual_start - (when(quote["start_at"]) - created)) / actual_start)
     report = {
@@ -97,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         "unquoted": unquoted,
         "finish_error": {"p50": pct(finish_err, 0.5), "p90": pct(finish_err, 0.9), "n": len(finish_err)},
         "start_error": {"p50": pct(start_err, 0.5), "p90": pct(start_err, 0.9), "n": len(start_err)},
+        "jobs_detail": rows,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now(UTC).strftime("%Y%m%d")

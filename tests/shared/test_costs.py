@@ -97,3 +97,19 @@ def test_work_ahead_counts_higher_classes_own_older_jobs_and_fair_turns_of_other
     assert view.work_ahead_s("low", a, T0 + timedelta(seconds=9)) == pytest.approx(5 + 20 + 9 + 6)
     # A high job waits only for the running work and the older high jobs.
     assert view.work_ahead_s("high", c, T0 + timedelta(hours=1)) == pytest.approx(5 + 20)
+
+
+def test_the_view_ages_with_the_work_done_since_it_was_read():
+    a = uuid.uuid4()
+    view = View(
+        costs=costs.CostModel({}),
+        workers=2,
+        running_s=2.0,
+        queues={"low": {a: [Waiting(T0, 4.0), Waiting(T0 + timedelta(seconds=1), 1.0, since_refresh=True)]}},
+        taken_at=T0,
+    )
+    later = T0 + timedelta(hours=1)
+    assert view.work_ahead_s("low", a, later, now=T0) == pytest.approx(2 + 4 + 1)
+    # One second later two workers did 2 s of the 6 s they were seen with; what was admitted since counts whole.
+    assert view.work_ahead_s("low", a, later, now=T0 + timedelta(seconds=1)) == pytest.approx(4 + 1)
+    assert view.work_ahead_s("low", a, later, now=T0 + timedelta(seconds=60)) == pytest.approx(1)

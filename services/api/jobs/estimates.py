@@ -12,6 +12,9 @@ The work ahead of a queued job follows how jobs are taken:
   (the tenants take turns in proportion to their weights: shared/jobs/fairness.py);
 - what is still running.
 
+The view ages between refreshes: the work it saw shrinks by what the live workers have done since, and the jobs
+this process admitted since count whole.
+
 The job starts when the live workers have worked that off together (``work_ahead_s / workers``) and finishes its own
 cost later. A running job is quoted from its progress. There is no quote for a finished job, for a model no worker
 has measured yet, or while no worker is alive.
@@ -47,6 +50,7 @@ _ORDER = list(PriorityClass)  # strict priority: high, medium, low
 class Waiting:
     created_at: datetime
     cost_s: float
+    since_refresh: bool = False  # admitted by this process after the view was read (``Estimator.admitted``)
 
 
 @dataclass
@@ -55,25 +59,35 @@ class View:
 
     costs: costs.CostModel
     workers: int
+    taken_at: datetime = field(default_factory=lambda: datetime.now(UTC))
     running_s: float = 0.0  # GPU seconds left of the running jobs
+    typical_s: float = 0.0  # what a queued job of an unmeasured model counts as: the median queued job
     # class → tenant → its queued jobs, oldest first
     queues: dict[str, dict[uuid.UUID, list[Waiting]]] = field(default_factory=dict)
     weights: dict[uuid.UUID, float] = field(default_factory=dict)
 
-    def work_ahead_s(self, klass: str, tenant: uuid.UUID, created_at: datetime) -> float:
-        ahead = self.running_s
+    def work_ahead_s(
+        self, klass: str, tenant: uuid.UUID, created_at: datetime, *, now: datetime | None = None
+    ) -> float:
+        """GPU seconds of work that starts before a job of ``tenant`` in ``klass`` created at ``created_at``.
+
+        The workers did not stand still since the view was read: the work it saw then shrinks by what the live
+        workers have done since (``now`` − ``taken_at``, each worker a second of work a second); what this process
+        admitted since counts whole."""
+        ahead: list[Waiting] = []
         for higher in _ORDER[: _ORDER.index(PriorityClass(klass))]:
-            ahead += sum(w.cost_s for waiting in self.queues.get(higher.value, {}).values() for w in waiting)
+            ahead += [w for waiting in self.queues.get(higher.value, {}).values() for w in waiting]
         same = self.queues.get(klass, {})
         mine = [w for w in same.get(tenant, []) if w.created_at < created_at]
-        ahead += sum(w.cost_s for w in mine)
+        ahead += mine
         turns = len(mine) + 1  # this job is its tenant's turn number len(mine) + 1
         own_weight = self.weights.get(tenant, 1.0)
         for other, waiting in same.items():
             if other != tenant:
-                before = min(len(waiting), round(turns * self.weights.get(other, 1.0) / own_weight))
-                ahead += sum(w.cost_s for w in waiting[:before])
-        return ahead
+                ahead += waiting[: min(len(waiting), round(turns * self.weights.get(other, 1.0) / own_weight))]
+        seen = self.running_s + sum(w.cost_s for w in ahead if not w.since_refresh)
+        elapsed = 0.0 if now is None else max(0.0, (now - self.taken_at).total_seconds())
+        return max(0.0, seen - elapsed * self.workers) + sum(w.cost_s for w in ahead if w.since_refresh)
 
 
 class Estimator:
@@ -115,7 +129,7 @@ class Estimator:
                 work_ahead_s=0.0,
                 workers=view.workers,
             )
-        ahead = view.work_ahead_s(job.priority_class, job.tenant_id, job.created_at)
+        ahead = view.work_ahead_s(job.priority_class, job.tenant_id, job.created_at, now=now)
         start = now + timedelta(seconds=ahead / view.workers)
         return EstimateOut(
             start_at=start,
@@ -125,13 +139,25 @@ class Estimator:
             workers=view.workers,
         )
 
+    def admitted(self, job: Job) -> None:
+        """A job this process just committed to a queue joins the view at once (the next refresh reads it from
+        Postgres anyway): the quotes of the submits right after it count it ahead of them."""
+        view = self._view
+        if view is None or JobStatus(job.status) is not JobStatus.QUEUED:
+            return
+        cost = view.costs.cost_s(GenerationSpec.from_dict(job.spec))
+        waiting = view.queues.setdefault(job.priority_class, {}).setdefault(job.tenant_id, [])
+        waiting.append(Waiting(job.created_at, view.typical_s if cost is None else cost, since_refresh=True))
+        waiting.sort(key=lambda w: w.created_at)
+
     async def refresh(self) -> None:
         """Read the fleet again: the measured costs (Redis), the queued and running work (Postgres)."""
+        taken_at = datetime.now(UTC)
         model = await asyncio.to_thread(costs.load, self._client, self.settings)
         async with self._store.transaction() as conn:
             queued = await self._store.queued_work(conn)
             running = await self._store.running_work(conn)
-        view = View(costs=model, workers=self._workers() or 0)
+        view = View(costs=model, workers=self._workers() or 0, taken_at=taken_at)
         known: list[float] = []
         pending: list[tuple[str, uuid.UUID, datetime, float | None]] = []
         for klass, tenant, name, created_at, spec in queued:
@@ -141,6 +167,7 @@ class Estimator:
             pending.append((klass, tenant, created_at, cost))
             view.weights[tenant] = self.settings.fair_share_weights.get(name, 1.0)
         typical = statistics.median(known) if known else 0.0  # a job of an unmeasured model counts as a typical one
+        view.typical_s = typical
         for klass, tenant, created_at, cost in pending:
             waiting = view.queues.setdefault(klass, {}).setdefault(tenant, [])
             waiting.append(Waiting(created_at, typical if cost is None else cost))

@@ -61,6 +61,7 @@ def after_submit(request: Request, response: Response, job: Job, *, created: boo
         # The message follows the commit: the video queue for a queued job; for one served from the result cache
         # (created succeeded) no render, only its webhook when it has a URL.
         send_committed(request.app.state.celery, job)
+        request.app.state.estimator.admitted(job)  # the quotes of the next submits count it ahead of them
         SUBMITS.labels(priority_class=job.priority_class).inc()
         if job.result_of is not None:
             RESULT_CACHE_HITS.inc()

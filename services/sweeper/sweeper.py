@@ -160,15 +160,19 @@ class Sweeper:
         jobs = repository.webhooks_due(
             session, now=now, grace_s=self.settings.webhook_resend_grace_s, limit=_BATCH
         )  # marks older than _WEBHOOK_GIVE_UP come back too, to be cleared here
-        stale = [
-            job.id for job in jobs if job.webhook_pending_since and job.webhook_pending_since < now - _WEBHOOK_GIVE_UP
-        ]
+        # A mark moves on with each hand-over (below) and each deferral: the day is counted from the earlier of it
+        # and the finish.
+        finished = {job.id: min(t for t in (job.finished_at, job.webhook_pending_since, now) if t) for job in jobs}
+        stale = [job_id for job_id, at in finished.items() if at < now - _WEBHOOK_GIVE_UP]
         if stale:
             repository.clear_webhook_pending(session, stale)
             log.warning("webhooks never handed over; giving up", extra={"jobs": [str(j) for j in stale]})
         for job in jobs:
             if job.id not in stale:
                 report.webhooks.append(job.id)
+                # Handed over now: the next hand-over is a grace period away, not the next tick (a webhook worker
+                # down for an hour must not find a message per job per tick on its queue when it comes back).
+                job.webhook_pending_since = now
                 send_webhook_after_commit(session, self.celery, job)
         return len(jobs)
 

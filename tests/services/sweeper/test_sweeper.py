@@ -40,6 +40,9 @@ def test_the_sweeper_hands_marked_jobs_over_and_gives_up_after_a_day(settings, c
     assert report.webhooks == [recent]
     assert _mark(settings, stale) is None  # given up: out of the index
     assert _mark(settings, recent) is not None  # still marked until an attempt is on record
+    # Handed over once per grace period, not once per tick: a webhook worker that is down for long finds one message
+    # per job waiting, not thousands.
+    assert sweeper(settings).sweep_once().webhooks == []
 
 
 def test_sweeper_expires_idempotency_keys(settings, clean_state):

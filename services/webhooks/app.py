@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from celery.signals import setup_logging, worker_process_init, worker_process_shutdown
+from celery.signals import setup_logging, worker_init, worker_process_init, worker_process_shutdown
 
 from shared.infra.config import Settings
 from shared.infra.db import dispose_engines
@@ -28,6 +28,14 @@ def build(settings: Settings) -> VidqCelery:
 def _logging(**_: Any) -> None:
     settings = _worker.settings
     configure_logging(level=settings.log_level, json_logs=settings.log_json)
+
+
+@worker_init.connect
+def _init_main(**_: Any) -> None:
+    from services.worker.metrics import serve_metrics
+
+    # Its pool processes' metrics (deliveries, each receiver host's breaker), served by the main process.
+    serve_metrics(_worker.settings, gpus=False)
 
 
 @worker_process_init.connect

@@ -72,13 +72,15 @@ class GpuCollector:
         yield from (used, total, util)
 
 
-def serve_metrics(settings: Settings) -> None:
-    """In the worker's main process: one HTTP endpoint with every pool child's metrics and the GPU readings."""
+def serve_metrics(settings: Settings, *, gpus: bool = True) -> None:
+    """In a worker's main process: one HTTP endpoint with every pool child's metrics, and the GPU readings unless
+    ``gpus`` is False (the webhook worker, which renders nothing)."""
     if not settings.worker_metrics_port:
         return
     registry = CollectorRegistry()
     MultiProcessCollector(registry)
-    registry.register(GpuCollector())
+    if gpus:
+        registry.register(GpuCollector())
     try:
         start_http_server(settings.worker_metrics_port, registry=registry)
     except OSError as exc:  # a second worker on the same host: keep working, say why there are no metrics

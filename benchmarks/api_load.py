@@ -110,6 +110,9 @@ class Target:
             "VIDQ_SWEEPER_IN_API": "false",
             "VIDQ_LOG_LEVEL": "WARNING",
             "VIDQ_PUBLIC_BASE_URL": self.url,
+            # No worker drains the queue here: the admission watermark is checked on every submit (its cost is
+            # measured) but set far above what a run queues, so a submit is refused only for capacity (503).
+            **{f"VIDQ_WATERMARK_{level}": "10000000" for level in ("IDLE", "NORMAL", "BUSY", "MAX")},
         }
 
     def start(self) -> None:

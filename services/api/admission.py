@@ -1,7 +1,11 @@
 """Load shedding at the door (docs/architecture.md, invariant 10: load is shed, not absorbed).
 
-At most ``limit`` requests are handled at once per process; the next ones wait up to ``queue_timeout_s`` for a
-slot and then get a fast 503 with ``Retry-After`` in the error envelope. The limit is sized with the database pool
+At most ``limit`` requests are handled at once per process; the next ones wait, at most ``max_queued`` of them
+and each up to ``queue_timeout_s``, for a slot, and then get a fast 503 with ``Retry-After`` in the error envelope.
+A request that finds the wait queue full is refused at once, before anything of it is read: under a burst far past
+capacity, the refusals cost the process almost nothing (no routing, no dependencies, no body parsing, no timer per
+waiting request), every request is answered within about ``queue_timeout_s``, and the requests it admits are served
+at full speed. The limit is sized with the database pool
 (a request in progress holds at most one connection), so no request ever waits for a connection while holding a
 slot, and a burst cannot wedge the process: when it ends, the queue drains within ``queue_timeout_s``.
 Health checks, metrics, progress streams (long-lived, they hold no connection) and the operator endpoints (no
@@ -27,12 +31,21 @@ _EXEMPT_PREFIXES = ("/healthz", "/readyz", "/metrics", "/v1/admin/", "/console")
 
 
 class AdmissionLimit:
-    def __init__(self, app: ASGIApp, *, limit: int, queue_timeout_s: float, retry_after_s: int) -> None:
+    def __init__(
+        self, app: ASGIApp, *, limit: int, max_queued: int, queue_timeout_s: float, retry_after_s: int
+    ) -> None:
         self.app = app
         self.limit = limit
+        self.max_queued = max_queued
         self.queue_timeout_s = queue_timeout_s
         self.retry_after_s = retry_after_s
         self._slots: asyncio.Semaphore | None = None  # made on first use, inside the server's event loop
+        self._waiting = 0
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for a slot now."""
+        return self._waiting
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or _exempt(scope["path"]):
@@ -40,13 +53,24 @@ class AdmissionLimit:
             return
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.limit)
-        queued = time.monotonic()
-        try:
-            await asyncio.wait_for(self._slots.acquire(), timeout=self.queue_timeout_s)
-        except TimeoutError:
-            SHED.inc()
-            await self._refuse(send, path=scope["path"], waited_s=time.monotonic() - queued)
-            return
+        if self._slots.locked():  # no free slot: wait in the queue, if it has room
+            if self._waiting >= self.max_queued:
+                SHED.inc()
+                await self._refuse(send, path=scope["path"], waited_s=0.0)
+                return
+            queued = time.monotonic()
+            self._waiting += 1
+            try:
+                async with asyncio.timeout(self.queue_timeout_s):
+                    await self._slots.acquire()
+            except TimeoutError:
+                SHED.inc()
+                await self._refuse(send, path=scope["path"], waited_s=time.monotonic() - queued)
+                return
+            finally:
+                self._waiting -= 1
+        else:
+            await self._slots.acquire()  # a free slot: taken at once
         INFLIGHT.inc()
         try:
             await self.app(scope, receive, send)
@@ -76,8 +100,10 @@ def _exempt(path: str) -> bool:
 
 
 def admission_kwargs(settings: Settings) -> dict[str, Any]:
+    limit = settings.api_max_inflight or settings.db_pool_size
     return {
-        "limit": settings.api_max_inflight or settings.db_pool_size,
+        "limit": limit,
+        "max_queued": settings.api_max_queued or 4 * limit,
         "queue_timeout_s": settings.api_queue_timeout_s,
         "retry_after_s": settings.api_retry_after_s,
     }

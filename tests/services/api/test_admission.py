@@ -31,9 +31,11 @@ class _Gate:
         await send({"type": "http.response.body", "body": b"ok"})
 
 
-async def _burst(n: int, *, path: str = "/v1/jobs") -> tuple[Counter[int], _Gate, list[httpx.Response]]:
+async def _burst(
+    n: int, *, path: str = "/v1/jobs", max_queued: int = 100
+) -> tuple[Counter[int], _Gate, list[httpx.Response]]:
     gate = _Gate()
-    app = AdmissionLimit(gate, limit=3, queue_timeout_s=0.2, retry_after_s=2)
+    app = AdmissionLimit(gate, limit=3, max_queued=max_queued, queue_timeout_s=0.2, retry_after_s=2)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
         pending = [asyncio.create_task(http.get(path)) for _ in range(n)]
         # The gate opens once every request is either answered or held at the gate: none is still waiting for a
@@ -55,6 +57,26 @@ def test_at_most_limit_in_flight_and_the_rest_refused_with_retry_after() -> None
     assert all(r.json()["error"]["code"] == "overloaded" for r in refused)
 
 
+def test_past_a_full_wait_queue_a_request_is_refused_at_once() -> None:
+    async def run() -> tuple[Counter[int], list[float]]:
+        gate = _Gate()
+        app = AdmissionLimit(gate, limit=2, max_queued=3, queue_timeout_s=60.0, retry_after_s=1)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            held = [asyncio.create_task(http.get("/v1/jobs")) for _ in range(5)]  # 2 in flight, 3 waiting
+            async with asyncio.timeout(HANG_GUARD_S):
+                while gate.inside < 2 or app.waiting < 3:
+                    await asyncio.sleep(0.01)
+            # The queue is full: these are answered now, though the queue's timeout is a minute.
+            refused = await asyncio.gather(*(http.get("/v1/jobs") for _ in range(4)))
+            gate.opened.set()
+            served = await asyncio.gather(*held)
+        return Counter(r.status_code for r in [*refused, *served]), [r.status_code for r in refused]
+
+    statuses, refused = asyncio.run(run())
+    assert refused == [503] * 4
+    assert statuses == Counter({200: 5, 503: 4})  # the waiting ones were served once slots came back
+
+
 def test_health_checks_are_never_shed() -> None:
     statuses, _, _ = asyncio.run(_burst(10, path="/healthz"))
     assert statuses == Counter({200: 10})
@@ -64,7 +86,7 @@ def test_slots_come_back_after_a_burst() -> None:
     async def run() -> list[int]:
         gate = _Gate()
         gate.opened.set()
-        app = AdmissionLimit(gate, limit=2, queue_timeout_s=0.2, retry_after_s=1)
+        app = AdmissionLimit(gate, limit=2, max_queued=8, queue_timeout_s=0.2, retry_after_s=1)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
             return [(await http.get("/v1/jobs")).status_code for _ in range(20)]
 

@@ -235,6 +235,6 @@ class JobStore:
         return await cur.fetchall()
 
     async def running_work(self, conn: AsyncConnection[TupleRow]) -> list[TupleRow]:
-        """(spec, progress_step, started_at) of every running job."""
+        """(progress_step, model, frames, height, width, steps) of every running job."""
         cur = await conn.execute(_RUNNING_WORK, {"status": JobStatus.RUNNING.value})
         return await cur.fetchall()

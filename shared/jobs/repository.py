@@ -21,7 +21,9 @@ from typing import Any
 from sqlalchemy import (
     ColumnElement,
     Insert,
+    Integer,
     Select,
+    String,
     and_,
     bindparam,
     delete,
@@ -137,16 +139,27 @@ INSERT_TRANSITION: Insert = insert(JobTransition).values(
 
 # --- idempotency keys --------------------------------------------------------------------------------------------
 
+
 # The work the ETA quotes count (services/api/jobs/estimates.py): every queued job (ix_jobs_queued_fair; the admission
 # watermark bounds how many) with its tenant's name (fair-share weights are by name), and every running job
 # (ix_jobs_running: as many as there are GPUs).
+# Each job's shape and steps are read out of its spec by Postgres (the API never parses a whole spec for this).
+def _spec_text(name: str) -> ColumnElement[str]:
+    """``spec ->> 'name'``, the key written into the statement (the async store compiles it with no parameters)."""
+    return Job.spec.op("->>", return_type=String)(literal_column(f"'{name}'"))
+
+
+_SHAPE = (
+    _spec_text("model"),
+    *(_spec_text(name).cast(Integer) for name in ("num_frames", "height", "width", "steps")),
+)
 QUEUED_WORK = (
-    select(Job.priority_class, Job.tenant_id, Tenant.name, Job.created_at, Job.spec)
+    select(Job.priority_class, Job.tenant_id, Tenant.name, Job.created_at, *_SHAPE)
     .join(Tenant, Tenant.id == Job.tenant_id)
     .where(Job.status == bindparam("status"))
     .order_by(Job.created_at, Job.id)
 )
-RUNNING_WORK = select(Job.spec, Job.progress_step, Job.started_at).where(Job.status == bindparam("status"))
+RUNNING_WORK = select(Job.progress_step, *_SHAPE).where(Job.status == bindparam("status"))
 
 LIVE_KEY = select(IdempotencyKey.request_hash, IdempotencyKey.job_id).where(
     IdempotencyKey.tenant_id == bindparam("tenant_id"),

@@ -99,14 +99,18 @@ class CostModel:
 
     def cost_s(self, spec: GenerationSpec) -> float | None:
         """Seconds a worker is expected to spend on ``spec``; None when its model was never measured."""
-        shape = shape_of(spec)
+        return self.cost_of(spec.model, spec.num_frames, spec.height, spec.width, spec.steps)
+
+    def cost_of(self, model: str, frames: int, height: int, width: int, steps: int) -> float | None:
+        """``cost_s`` from a job's shape and steps alone."""
+        shape = (model, frames, height, width)
         if shape in self._samples:
-            return statistics.median(s.cost_s(spec.steps) for s in self._samples[shape])
+            return statistics.median(s.cost_s(steps) for s in self._samples[shape])
         nearest = self._nearest(shape)
         if nearest is None:
             return None
         scale = _volume(shape) / _volume(nearest)
-        return scale * statistics.median(s.cost_s(spec.steps) for s in self._samples[nearest])
+        return scale * statistics.median(s.cost_s(steps) for s in self._samples[nearest])
 
     def _nearest(self, shape: Shape) -> Shape | None:
         same_model = [s for s in self._samples if s[0] == shape[0]]

@@ -10,7 +10,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from services.api.jobs.estimates import View, Waiting
+from services.api.jobs.estimates import Backlog, View
 from shared.infra.redis_clients import broker_client
 from shared.scheduling import costs
 from shared.spec import GenerationSpec
@@ -78,17 +78,28 @@ def test_an_unmeasured_shape_is_scaled_from_the_nearest_of_its_model(own):
     assert model.cost_s(spec(model="wan2.1-1.3b-arch")) is None  # never measured: no quote
 
 
+def view_of(
+    queues: dict[str, dict[uuid.UUID, list[tuple[int, float]]]], *, added: bool = False, **fields: object
+) -> View:
+    """A view holding ``queues``: class → tenant → (seconds after T0 it was created, cost) per job."""
+    view = View(costs=costs.CostModel({}), **fields)  # type: ignore[arg-type]
+    for klass, tenants in queues.items():
+        for tenant, jobs in tenants.items():
+            for at, cost in jobs:
+                view.add(klass, tenant, T0 + timedelta(seconds=at), cost, seen=not added)
+    return view
+
+
 def test_work_ahead_counts_higher_classes_own_older_jobs_and_fair_turns_of_others():
     a, b, c = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
 
-    def waiting(n: int, cost: float) -> list[Waiting]:
-        return [Waiting(T0 + timedelta(seconds=i), cost) for i in range(n)]
+    def waiting(n: int, cost: float) -> list[tuple[int, float]]:
+        return [(i, cost) for i in range(n)]
 
-    view = View(
-        costs=costs.CostModel({}),
+    view = view_of(
+        {"high": {c: waiting(2, 10.0)}, "low": {a: waiting(100, 1.0), b: waiting(3, 2.0)}},
         workers=2,
         running_s=5.0,
-        queues={"high": {c: waiting(2, 10.0)}, "low": {a: waiting(100, 1.0), b: waiting(3, 2.0)}},
         weights={b: 2.0},
     )
     # b's new low job: running 5 + high 20 + b's own 3 older (6) + a's turns: 4 turns of b at weight 2 vs 1 → 2 of a.
@@ -101,15 +112,19 @@ def test_work_ahead_counts_higher_classes_own_older_jobs_and_fair_turns_of_other
 
 def test_the_view_ages_with_the_work_done_since_it_was_read():
     a = uuid.uuid4()
-    view = View(
-        costs=costs.CostModel({}),
-        workers=2,
-        running_s=2.0,
-        queues={"low": {a: [Waiting(T0, 4.0), Waiting(T0 + timedelta(seconds=1), 1.0, since_refresh=True)]}},
-        taken_at=T0,
-    )
+    view = view_of({"low": {a: [(0, 4.0)]}}, workers=2, running_s=2.0, taken_at=T0)
+    view.add("low", a, T0 + timedelta(seconds=1), 1.0, seen=False)  # admitted by this process since
     later = T0 + timedelta(hours=1)
     assert view.work_ahead_s("low", a, later, now=T0) == pytest.approx(2 + 4 + 1)
     # One second later two workers did 2 s of the 6 s they were seen with; what was admitted since counts whole.
     assert view.work_ahead_s("low", a, later, now=T0 + timedelta(seconds=1)) == pytest.approx(4 + 1)
     assert view.work_ahead_s("low", a, later, now=T0 + timedelta(seconds=60)) == pytest.approx(1)
+
+
+def test_a_job_out_of_order_takes_its_place_in_its_tenants_backlog():
+    backlog = Backlog()
+    for at, cost in [(0, 1.0), (2, 4.0), (1, 2.0)]:
+        backlog.add(T0 + timedelta(seconds=at), cost)
+    assert backlog.created == [T0 + timedelta(seconds=s) for s in (0, 1, 2)]
+    assert [backlog.cost_of_first(n) for n in range(5)] == [0.0, 1.0, 3.0, 7.0, 7.0]
+    assert backlog.older_than(T0 + timedelta(seconds=2)) == 2

@@ -23,13 +23,17 @@ has measured yet, or while no worker is alive.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
+import functools
 import logging
 import statistics
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from itertools import accumulate, pairwise
 
 from services.api.store import JobStore
 from shared.infra.config import Settings
@@ -46,48 +50,88 @@ log = logging.getLogger("vidq.api.estimates")
 _ORDER = list(PriorityClass)  # strict priority: high, medium, low
 
 
-@dataclass(frozen=True, slots=True)
-class Waiting:
-    created_at: datetime
-    cost_s: float
-    since_refresh: bool = False  # admitted by this process after the view was read (``Estimator.admitted``)
+class Backlog:
+    """One tenant's queued jobs of one class, oldest first, with the running sum of their costs: the cost of the
+    first ``n`` is one lookup, and the jobs older than a time one bisection."""
+
+    __slots__ = ("created", "prefix")
+
+    def __init__(self) -> None:
+        self.created: list[datetime] = []
+        self.prefix: list[float] = [0.0]  # prefix[n]: the cost of the first n
+
+    def add(self, created_at: datetime, cost_s: float) -> None:
+        """Append a job (jobs come oldest first; one out of order is placed by its time)."""
+        if self.created and created_at < self.created[-1]:
+            at = bisect.bisect_right(self.created, created_at)
+            costs_ = [b - a for a, b in pairwise(self.prefix)]
+            self.created.insert(at, created_at)
+            costs_.insert(at, cost_s)
+            self.prefix = [0.0, *accumulate(costs_)]
+            return
+        self.created.append(created_at)
+        self.prefix.append(self.prefix[-1] + cost_s)
+
+    def __len__(self) -> int:
+        return len(self.created)
+
+    def older_than(self, created_at: datetime) -> int:
+        return bisect.bisect_left(self.created, created_at)
+
+    def cost_of_first(self, n: int) -> float:
+        return self.prefix[max(0, min(n, len(self.created)))]
+
+    @property
+    def total_s(self) -> float:
+        return self.prefix[-1]
 
 
 @dataclass
 class View:
-    """The fleet as one refresh saw it."""
+    """The fleet as one refresh saw it, plus what this process admitted since."""
 
     costs: costs.CostModel
     workers: int
     taken_at: datetime = field(default_factory=lambda: datetime.now(UTC))
     running_s: float = 0.0  # GPU seconds left of the running jobs
     typical_s: float = 0.0  # what a queued job of an unmeasured model counts as: the median queued job
-    # class → tenant → its queued jobs, oldest first
-    queues: dict[str, dict[uuid.UUID, list[Waiting]]] = field(default_factory=dict)
+    # class → tenant → its queued jobs: as read (``seen``) and admitted here since (``added``)
+    seen: dict[str, dict[uuid.UUID, Backlog]] = field(default_factory=dict)
+    added: dict[str, dict[uuid.UUID, Backlog]] = field(default_factory=dict)
     weights: dict[uuid.UUID, float] = field(default_factory=dict)
+
+    def add(self, klass: str, tenant: uuid.UUID, created_at: datetime, cost_s: float, *, seen: bool) -> None:
+        queues = self.seen if seen else self.added
+        queues.setdefault(klass, {}).setdefault(tenant, Backlog()).add(created_at, cost_s)
 
     def work_ahead_s(
         self, klass: str, tenant: uuid.UUID, created_at: datetime, *, now: datetime | None = None
     ) -> float:
-        """GPU seconds of work that starts before a job of ``tenant`` in ``klass`` created at ``created_at``.
+        """GPU seconds of work that starts before a job of ``tenant`` in ``klass`` created at ``created_at``; cost
+        O(tenants in the class), whatever the queues hold.
 
         The workers did not stand still since the view was read: the work it saw then shrinks by what the live
         workers have done since (``now`` − ``taken_at``, each worker a second of work a second); what this process
         admitted since counts whole."""
-        ahead: list[Waiting] = []
+        seen, added = self.running_s, 0.0
         for higher in _ORDER[: _ORDER.index(PriorityClass(klass))]:
-            ahead += [w for waiting in self.queues.get(higher.value, {}).values() for w in waiting]
-        same = self.queues.get(klass, {})
-        mine = [w for w in same.get(tenant, []) if w.created_at < created_at]
-        ahead += mine
-        turns = len(mine) + 1  # this job is its tenant's turn number len(mine) + 1
+            seen += sum(b.total_s for b in self.seen.get(higher.value, {}).values())
+            added += sum(b.total_s for b in self.added.get(higher.value, {}).values())
+        seen_here, added_here = self.seen.get(klass, {}), self.added.get(klass, {})
+        empty = Backlog()
+        mine_seen = seen_here.get(tenant, empty).older_than(created_at)
+        mine_added = added_here.get(tenant, empty).older_than(created_at)
+        seen += seen_here.get(tenant, empty).cost_of_first(mine_seen)
+        added += added_here.get(tenant, empty).cost_of_first(mine_added)
+        turns = mine_seen + mine_added + 1  # this job is its tenant's turn number turns
         own_weight = self.weights.get(tenant, 1.0)
-        for other, waiting in same.items():
-            if other != tenant:
-                ahead += waiting[: min(len(waiting), round(turns * self.weights.get(other, 1.0) / own_weight))]
-        seen = self.running_s + sum(w.cost_s for w in ahead if not w.since_refresh)
+        for other in (seen_here.keys() | added_here.keys()) - {tenant}:
+            before = round(turns * self.weights.get(other, 1.0) / own_weight)
+            older, newer = seen_here.get(other, empty), added_here.get(other, empty)  # read ones are the older
+            seen += older.cost_of_first(before)
+            added += newer.cost_of_first(before - len(older))
         elapsed = 0.0 if now is None else max(0.0, (now - self.taken_at).total_seconds())
-        return max(0.0, seen - elapsed * self.workers) + sum(w.cost_s for w in ahead if w.since_refresh)
+        return max(0.0, seen - elapsed * self.workers) + added
 
 
 class Estimator:
@@ -145,41 +189,39 @@ class Estimator:
         view = self._view
         if view is None or JobStatus(job.status) is not JobStatus.QUEUED:
             return
-        cost = view.costs.cost_s(GenerationSpec.from_dict(job.spec))
-        waiting = view.queues.setdefault(job.priority_class, {}).setdefault(job.tenant_id, [])
-        waiting.append(Waiting(job.created_at, view.typical_s if cost is None else cost, since_refresh=True))
-        waiting.sort(key=lambda w: w.created_at)
+        spec = job.spec
+        cost = view.costs.cost_of(
+            str(spec["model"]), int(spec["num_frames"]), int(spec["height"]), int(spec["width"]), int(spec["steps"])
+        )
+        view.add(
+            job.priority_class, job.tenant_id, job.created_at, view.typical_s if cost is None else cost, seen=False
+        )
 
     async def refresh(self) -> None:
-        """Read the fleet again: the measured costs (Redis), the queued and running work (Postgres)."""
+        """Read the fleet again: the measured costs (Redis), the queued and running work (Postgres; each job's
+        shape read out of its spec by Postgres, a cost looked up once per shape)."""
         taken_at = datetime.now(UTC)
         model = await asyncio.to_thread(costs.load, self._client, self.settings)
         async with self._store.transaction() as conn:
             queued = await self._store.queued_work(conn)
             running = await self._store.running_work(conn)
         view = View(costs=model, workers=self._workers() or 0, taken_at=taken_at)
-        known: list[float] = []
-        pending: list[tuple[str, uuid.UUID, datetime, float | None]] = []
-        for klass, tenant, name, created_at, spec in queued:
-            cost = model.cost_s(GenerationSpec.from_dict(spec))
-            if cost is not None:
-                known.append(cost)
-            pending.append((klass, tenant, created_at, cost))
+        cost_of = functools.lru_cache(maxsize=None)(model.cost_of)
+        known = [c for c in (cost_of(*row[4:]) for row in queued) if c is not None]
+        view.typical_s = statistics.median(known) if known else 0.0  # an unmeasured model counts as a typical job
+        for klass, tenant, name, created_at, *shape in queued:
+            cost = cost_of(*shape)
+            view.add(klass, tenant, created_at, view.typical_s if cost is None else cost, seen=True)
             view.weights[tenant] = self.settings.fair_share_weights.get(name, 1.0)
-        typical = statistics.median(known) if known else 0.0  # a job of an unmeasured model counts as a typical one
-        view.typical_s = typical
-        for klass, tenant, created_at, cost in pending:
-            waiting = view.queues.setdefault(klass, {}).setdefault(tenant, [])
-            waiting.append(Waiting(created_at, typical if cost is None else cost))
-        for spec, step, _started in running:
-            parsed = GenerationSpec.from_dict(spec)
-            cost = model.cost_s(parsed)
-            view.running_s += (typical if cost is None else cost) * max(0.0, 1.0 - step / max(1, parsed.steps))
+        for step, *shape in running:
+            cost = cost_of(*shape)
+            view.running_s += (view.typical_s if cost is None else cost) * max(0.0, 1.0 - step / max(1, shape[-1]))
         self._view = view
 
     async def _refresh_forever(self) -> None:
         warned = False
         while True:
+            started = time.monotonic()
             try:
                 await self.refresh()
                 warned = False
@@ -187,4 +229,5 @@ class Estimator:
                 if not warned:
                     log.warning("ETA view not refreshed", extra={"error": repr(exc)[:200]})
                 warned = True
-            await asyncio.sleep(self.settings.eta_refresh_s)
+            # A long queue makes a refresh dear: then it runs less often (at most a tenth of this process's time).
+            await asyncio.sleep(max(self.settings.eta_refresh_s, 9 * (time.monotonic() - started)))

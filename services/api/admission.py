@@ -1,13 +1,16 @@
 """Load shedding at the door (docs/architecture.md, invariant 10: load is shed, not absorbed).
 
-At most ``limit`` requests are handled at once per process; the next ones wait, at most ``max_queued`` of them
-and each up to ``queue_timeout_s``, for a slot, and then get a fast 503 with ``Retry-After`` in the error envelope.
-A request that finds the wait queue full is refused at once, before anything of it is read: under a burst far past
-capacity, the refusals cost the process almost nothing (no routing, no dependencies, no body parsing, no timer per
-waiting request), every request is answered within about ``queue_timeout_s``, and the requests it admits are served
-at full speed. The limit is sized with the database pool
-(a request in progress holds at most one connection), so no request ever waits for a connection while holding a
-slot, and a burst cannot wedge the process: when it ends, the queue drains within ``queue_timeout_s``.
+At most ``limit`` requests are handled at once per process; the next ones wait up to ``queue_timeout_s`` for a
+slot, and then get a fast 503 with ``Retry-After`` in the error envelope. No more wait than the slots can serve
+within that time: with ``max_queued`` 0 the bound follows the measured time a request holds its slot (``limit`` ×
+``queue_timeout_s`` / that time, at least ``limit``), else it is ``max_queued``. A request that finds the wait queue
+full is refused at once, before anything of it is read: under a burst far past capacity the refusals cost the
+process almost nothing (no routing, no dependencies, no body parsing, no timer per waiting request), every request
+is answered within about ``queue_timeout_s``, and the requests it admits are served at full speed.
+
+The limit is sized with the database pool (a request in progress holds at most one connection), so no request ever
+waits for a connection while holding a slot, and a burst cannot wedge the process: when it ends, the queue drains
+within ``queue_timeout_s``.
 Health checks, metrics, progress streams (long-lived, they hold no connection) and the operator endpoints (no
 database; wanted most while the API is shedding load) are not counted.
 """
@@ -41,6 +44,7 @@ class AdmissionLimit:
         self.retry_after_s = retry_after_s
         self._slots: asyncio.Semaphore | None = None  # made on first use, inside the server's event loop
         self._waiting = 0
+        self._held_s = 0.0  # EWMA of the seconds a request holds its slot (0: none measured yet)
 
     @property
     def waiting(self) -> int:
@@ -54,7 +58,7 @@ class AdmissionLimit:
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.limit)
         if self._slots.locked():  # no free slot: wait in the queue, if it has room
-            if self._waiting >= self.max_queued:
+            if self._waiting >= self._queue_bound():
                 SHED.inc()
                 await self._refuse(send, path=scope["path"], waited_s=0.0)
                 return
@@ -72,11 +76,22 @@ class AdmissionLimit:
         else:
             await self._slots.acquire()  # a free slot: taken at once
         INFLIGHT.inc()
+        started = time.monotonic()
         try:
             await self.app(scope, receive, send)
         finally:
             INFLIGHT.dec()
             self._slots.release()
+            held = time.monotonic() - started
+            self._held_s = held if self._held_s == 0.0 else 0.9 * self._held_s + 0.1 * held
+
+    def _queue_bound(self) -> float:
+        """How many may wait: ``max_queued``, or as many as the slots serve within the queue timeout."""
+        if self.max_queued:
+            return self.max_queued
+        if self._held_s <= 0.0:
+            return float("inf")  # nothing measured yet: the timeout alone bounds the wait
+        return max(self.limit, self.limit * self.queue_timeout_s / self._held_s)
 
     async def _refuse(self, send: Send, *, path: str, waited_s: float) -> None:
         ERRORS.labels("overloaded", "503").inc()
@@ -103,7 +118,7 @@ def admission_kwargs(settings: Settings) -> dict[str, Any]:
     limit = settings.api_max_inflight or settings.db_pool_size
     return {
         "limit": limit,
-        "max_queued": settings.api_max_queued or 4 * limit,
+        "max_queued": settings.api_max_queued,
         "queue_timeout_s": settings.api_queue_timeout_s,
         "retry_after_s": settings.api_retry_after_s,
     }

@@ -62,7 +62,8 @@ class Settings(BaseSettings):
     # Load shedding: at most this many requests are handled at once per process (0 = db_pool_size); the next ones
     # wait up to api_queue_timeout_s for a slot, then get 503 + Retry-After. Progress streams are not counted.
     api_max_inflight: int = 0
-    # Requests that may wait for a slot at once (0 = 4 × the slots); past that a request is refused at once.
+    # Requests that may wait for a slot at once (0 = as many as the slots serve within api_queue_timeout_s, from the
+    # measured time a request holds its slot); past that a request is refused at once.
     api_max_queued: int = 0
     api_queue_timeout_s: float = 1.0
     api_retry_after_s: int = 1

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from itertools import accumulate, pairwise
+from typing import Any
 
 from services.api.store import JobStore
 from shared.infra.config import Settings
@@ -205,7 +206,21 @@ class Estimator:
         async with self._store.transaction() as conn:
             queued = await self._store.queued_work(conn)
             running = await self._store.running_work(conn)
-        view = View(costs=model, workers=self._workers() or 0, taken_at=taken_at)
+        # Thousands of rows are seconds of Python: built in a thread, so requests go on being served meanwhile.
+        self._view = await asyncio.to_thread(
+            self._build, model, queued, running, workers=self._workers() or 0, taken_at=taken_at
+        )
+
+    def _build(
+        self,
+        model: costs.CostModel,
+        queued: list[Any],
+        running: list[Any],
+        *,
+        workers: int,
+        taken_at: datetime,
+    ) -> View:
+        view = View(costs=model, workers=workers, taken_at=taken_at)
         cost_of = functools.lru_cache(maxsize=None)(model.cost_of)
         known = [c for c in (cost_of(*row[4:]) for row in queued) if c is not None]
         view.typical_s = statistics.median(known) if known else 0.0  # an unmeasured model counts as a typical job
@@ -216,7 +231,7 @@ class Estimator:
         for step, *shape in running:
             cost = cost_of(*shape)
             view.running_s += (view.typical_s if cost is None else cost) * max(0.0, 1.0 - step / max(1, shape[-1]))
-        self._view = view
+        return view
 
     async def _refresh_forever(self) -> None:
         warned = False

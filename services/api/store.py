@@ -53,6 +53,7 @@ _CLAIM_KEY = _sql(repository.CLAIM_KEY)
 _INSERT_TRANSITION = _sql(repository.INSERT_TRANSITION)
 _RESULT_SOURCE = _sql(repository.RESULT_SOURCE)
 _QUEUED_WORK = _sql(repository.QUEUED_WORK)
+_QUEUED_COUNTS = _sql(repository.QUEUED_COUNTS)
 _RUNNING_WORK = _sql(repository.RUNNING_WORK)
 
 
@@ -229,10 +230,16 @@ class JobStore:
         row = await cur.fetchone()
         return None if row is None else (row[0], row[1])
 
-    async def queued_work(self, conn: AsyncConnection[TupleRow]) -> list[TupleRow]:
-        """(priority_class, tenant_id, tenant name, created_at, spec) of every queued job, oldest first."""
-        cur = await conn.execute(_QUEUED_WORK, {"status": JobStatus.QUEUED.value})
+    async def queued_work(self, conn: AsyncConnection[TupleRow], *, limit: int) -> list[TupleRow]:
+        """(priority_class, tenant_id, tenant name, created_at, model, frames, height, width, steps) of the oldest
+        ``limit`` queued jobs, oldest first."""
+        cur = await conn.execute(_QUEUED_WORK, {"status": JobStatus.QUEUED.value, "limit": limit})
         return await cur.fetchall()
+
+    async def queued_counts(self, conn: AsyncConnection[TupleRow]) -> dict[str, int]:
+        """Queued jobs per class."""
+        cur = await conn.execute(_QUEUED_COUNTS, {"status": JobStatus.QUEUED.value})
+        return {str(klass): int(n) for klass, n in await cur.fetchall()}
 
     async def running_work(self, conn: AsyncConnection[TupleRow]) -> list[TupleRow]:
         """(progress_step, model, frames, height, width, steps) of every running job."""

@@ -163,6 +163,8 @@ class Settings(BaseSettings):
     # costs this often; the last eta_samples renders of each model and shape are kept.
     eta_refresh_s: float = Field(default=1.0, gt=0)
     eta_samples: int = Field(default=50, ge=1)
+    # A refresh reads at most this many queued jobs (the oldest); the rest count as typical jobs, all ahead.
+    eta_max_jobs: int = Field(default=2000, ge=1)
 
     # --- worker -------------------------------------------------------------------------------------------------
     worker_preload_models: list[str] = Field(default_factory=list)  # built in worker_process_init

@@ -140,9 +140,9 @@ INSERT_TRANSITION: Insert = insert(JobTransition).values(
 # --- idempotency keys --------------------------------------------------------------------------------------------
 
 
-# The work the ETA quotes count (services/api/jobs/estimates.py): every queued job (ix_jobs_queued_fair; the admission
-# watermark bounds how many) with its tenant's name (fair-share weights are by name), and every running job
-# (ix_jobs_running: as many as there are GPUs).
+# The work the ETA quotes count (services/api/jobs/estimates.py): the oldest queued jobs (ix_jobs_queued_fair; the
+# admission watermark bounds how many a class holds), each with its tenant's name (fair-share weights are by name),
+# and every running job (ix_jobs_running: as many as there are GPUs).
 # Each job's shape and steps are read out of its spec by Postgres (the API never parses a whole spec for this).
 def _spec_text(name: str) -> ColumnElement[str]:
     """``spec ->> 'name'``, the key written into the statement (the async store compiles it with no parameters)."""
@@ -158,6 +158,12 @@ QUEUED_WORK = (
     .join(Tenant, Tenant.id == Job.tenant_id)
     .where(Job.status == bindparam("status"))
     .order_by(Job.created_at, Job.id)
+    .limit(bindparam("limit"))
+)
+# How many jobs each class holds queued (an index-only count of ix_jobs_queued_fair): what QUEUED_WORK's limit left
+# unread is counted from it.
+QUEUED_COUNTS = (
+    select(Job.priority_class, func.count()).where(Job.status == bindparam("status")).group_by(Job.priority_class)
 )
 RUNNING_WORK = select(Job.progress_step, *_SHAPE).where(Job.status == bindparam("status"))
 

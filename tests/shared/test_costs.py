@@ -128,3 +128,11 @@ def test_a_job_out_of_order_takes_its_place_in_its_tenants_backlog():
     assert backlog.created == [T0 + timedelta(seconds=s) for s in (0, 1, 2)]
     assert [backlog.cost_of_first(n) for n in range(5)] == [0.0, 1.0, 3.0, 7.0, 7.0]
     assert backlog.older_than(T0 + timedelta(seconds=2)) == 2
+
+
+def test_queued_jobs_past_the_refreshs_limit_count_as_typical_jobs_ahead():
+    a = uuid.uuid4()
+    view = view_of({"high": {a: [(0, 1.0)]}, "low": {a: [(0, 1.0)]}}, workers=1)
+    view.unread_s = {"high": 30.0, "low": 50.0}
+    assert view.work_ahead_s("high", a, T0 + timedelta(hours=1)) == pytest.approx(30 + 1)
+    assert view.work_ahead_s("low", a, T0 + timedelta(hours=1)) == pytest.approx(30 + 1 + 50 + 1)

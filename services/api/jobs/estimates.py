@@ -30,6 +30,7 @@ import logging
 import statistics
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -100,6 +101,8 @@ class View:
     seen: dict[str, dict[uuid.UUID, Backlog]] = field(default_factory=dict)
     added: dict[str, dict[uuid.UUID, Backlog]] = field(default_factory=dict)
     weights: dict[uuid.UUID, float] = field(default_factory=dict)
+    # Per class, the queued jobs past the refresh's limit (eta_max_jobs, the newest), costed as typical jobs.
+    unread_s: dict[str, float] = field(default_factory=dict)
 
     def add(self, klass: str, tenant: uuid.UUID, created_at: datetime, cost_s: float, *, seen: bool) -> None:
         queues = self.seen if seen else self.added
@@ -114,8 +117,9 @@ class View:
         The workers did not stand still since the view was read: the work it saw then shrinks by what the live
         workers have done since (``now`` − ``taken_at``, each worker a second of work a second); what this process
         admitted since counts whole."""
-        seen, added = self.running_s, 0.0
+        seen, added = self.running_s + self.unread_s.get(klass, 0.0), 0.0
         for higher in _ORDER[: _ORDER.index(PriorityClass(klass))]:
+            seen += self.unread_s.get(higher.value, 0.0)
             seen += sum(b.total_s for b in self.seen.get(higher.value, {}).values())
             added += sum(b.total_s for b in self.added.get(higher.value, {}).values())
         seen_here, added_here = self.seen.get(klass, {}), self.added.get(klass, {})
@@ -204,17 +208,19 @@ class Estimator:
         taken_at = datetime.now(UTC)
         model = await asyncio.to_thread(costs.load, self._client, self.settings)
         async with self._store.transaction() as conn:
-            queued = await self._store.queued_work(conn)
+            queued = await self._store.queued_work(conn, limit=self.settings.eta_max_jobs)
+            counts = await self._store.queued_counts(conn) if len(queued) >= self.settings.eta_max_jobs else {}
             running = await self._store.running_work(conn)
         # Thousands of rows are seconds of Python: built in a thread, so requests go on being served meanwhile.
         self._view = await asyncio.to_thread(
-            self._build, model, queued, running, workers=self._workers() or 0, taken_at=taken_at
+            self._build, model, queued, counts, running, workers=self._workers() or 0, taken_at=taken_at
         )
 
     def _build(
         self,
         model: costs.CostModel,
         queued: list[Any],
+        counts: dict[str, int],
         running: list[Any],
         *,
         workers: int,
@@ -228,6 +234,9 @@ class Estimator:
             cost = cost_of(*shape)
             view.add(klass, tenant, created_at, view.typical_s if cost is None else cost, seen=True)
             view.weights[tenant] = self.settings.fair_share_weights.get(name, 1.0)
+        read = Counter(row[0] for row in queued)
+        for klass, n in counts.items():  # past the rows read (the newest): each a typical job, all ahead
+            view.unread_s[klass] = max(0, n - read[klass]) * view.typical_s
         for step, *shape in running:
             cost = cost_of(*shape)
             view.running_s += (view.typical_s if cost is None else cost) * max(0.0, 1.0 - step / max(1, shape[-1]))

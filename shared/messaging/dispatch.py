@@ -7,8 +7,8 @@ After the commit each message goes to the broker (the API's async submit, which 
 it to a sender thread: ``send_committed``); the sends are then recorded (``jobs.enqueued_at``) off the hot
 path, by one background thread per process that writes them in batches (one UPDATE a batch, every few tens of
 milliseconds), so a submit costs one transaction. Neither step raises: a failed send or a lost record leaves
-``enqueued_at`` behind the truth, and the sweeper re-sends — a duplicate message is dropped by the worker's claim,
-a lost one would strand the job.
+``enqueued_at`` behind the truth, and the sweeper re-sends — a duplicate message is a turn of its class with nothing
+more to claim (shared/jobs/fairness.py), a lost one would strand the job.
 """
 
 from __future__ import annotations

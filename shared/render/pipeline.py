@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -153,13 +153,10 @@ class VideoPipeline:
         unchanged; its intermediate tensors are released before the exception leaves. A ``ValueError`` from the
         model becomes ``PermanentRenderError``.
         """
-        cuda = self.device.type == "cuda"
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
         from_on_step: list[BaseException] = []  # tells on_step's own errors apart from the model's
         timings: dict[str, float] = {}
         kept: list[torch.Tensor] = []
-        try:
+        with self._device_render(from_on_step):
             frames = self._render(
                 spec,
                 text_rows or self.encode_texts,
@@ -169,22 +166,10 @@ class VideoPipeline:
                 scope=stage_scope or _no_scope,
                 kept=kept if keep_latents else None,
             )
-        except BaseException as exc:
-            # The traceback pins every frame it passed through, and with them the latents, embeddings and
-            # activations. Drop those frames' locals now so the memory goes back to the device while the
-            # caller is still handling the exception (it may keep it, e.g. to log it later). This function's
-            # own frame holds no tensors: the stages live in _render for that reason.
-            _release_locals(exc.__traceback__)
-            if isinstance(exc, ValueError) and not (from_on_step and exc is from_on_step[0]):
-                raise PermanentRenderError(str(exc)) from exc
-            raise
-        finally:
-            if cuda:
-                torch.cuda.empty_cache()  # a long-lived worker must not keep a cancelled job's blocks cached
         return RenderResult(
             frames=frames,
             timings_s=timings,
-            peak_vram_bytes=torch.cuda.max_memory_allocated(self.device) if cuda else None,
+            peak_vram_bytes=self._peak_vram(),
             device=str(self.device),
             dtype=dtype_name(self.dtype),
             precision=self.rendered_precision(),
@@ -210,12 +195,9 @@ class VideoPipeline:
             raise ValueError("a batch renders specs of one batch_key only")
         if not _plain_wan_loop(self.pipe):
             raise ValueError(f"{self.model} denoises with diffusers' own loop: it renders one video at a time")
-        cuda = self.device.type == "cuda"
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
-        dropped: dict[int, Exception] = {}
+        dropped: dict[int, Exception] = {}  # a member's callback's own errors never leave _render_many
         timings: dict[str, float] = {}
-        try:
+        with self._device_render([]):
             frames, decode_s = self._render_many(
                 specs,
                 text_rows or self.encode_texts,
@@ -224,15 +206,7 @@ class VideoPipeline:
                 timings=timings,
                 scope=stage_scope or _no_scope,
             )
-        except BaseException as exc:
-            _release_locals(exc.__traceback__)
-            if isinstance(exc, ValueError):
-                raise PermanentRenderError(str(exc)) from exc
-            raise
-        finally:
-            if cuda:
-                torch.cuda.empty_cache()
-        peak = torch.cuda.max_memory_allocated(self.device) if cuda else None
+        peak = self._peak_vram()
         results: list[RenderResult | Exception] = []
         for index, member in enumerate(frames):
             if member is None:
@@ -263,8 +237,7 @@ class VideoPipeline:
         timings: dict[str, float],
         scope: StageScope,
     ) -> tuple[list[np.ndarray | None], list[float]]:
-        backends = [getattr(SDPBackend, name) for name in self.policy.attention if name in SDPA_PREFERENCE]
-        with torch.inference_mode(), sdpa_kernel(backends, set_priority=True):
+        with self._kernels():
             started = stage = self._clock()
             with scope("embeddings"):
                 per_member = [list(texts_of(s.prompt, s.negative_prompt, s.guidance_scale)) for s in specs]
@@ -305,6 +278,39 @@ class VideoPipeline:
                     decode_s[index] = seconds / len(active)
         return frames, decode_s
 
+    @contextmanager
+    def _device_render(self, own_errors: list[BaseException]) -> Iterator[None]:
+        """Around one render (a video or a batch): the device's peak memory is counted from here (``_peak_vram``);
+        a ``ValueError`` of the model (not one in ``own_errors``, the callbacks' own) becomes
+        ``PermanentRenderError``; and on the way out the device's cached blocks go back."""
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        try:
+            yield
+        except BaseException as exc:
+            # The traceback pins every frame it passed through, and with them the latents, embeddings and
+            # activations. Drop those frames' locals now so the memory goes back to the device while the
+            # caller is still handling the exception (it may keep it, e.g. to log it later). The callers' own
+            # frames hold no tensors: the stages live in _render and _render_many for that reason.
+            _release_locals(exc.__traceback__)
+            if isinstance(exc, ValueError) and not (own_errors and exc is own_errors[0]):
+                raise PermanentRenderError(str(exc)) from exc
+            raise
+        finally:
+            if cuda:
+                torch.cuda.empty_cache()  # a long-lived worker must not keep a cancelled job's blocks cached
+
+    def _peak_vram(self) -> int | None:
+        return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
+
+    @contextmanager
+    def _kernels(self) -> Iterator[None]:
+        """Inference mode, with the policy's attention kernels in its order of preference."""
+        backends = [getattr(SDPBackend, name) for name in self.policy.attention if name in SDPA_PREFERENCE]
+        with torch.inference_mode(), sdpa_kernel(backends, set_priority=True):
+            yield
+
     def rendered_precision(self) -> RenderedPrecision:
         """What a result says about this pipeline's numbers (the job's request is added by the caller)."""
         compute, vae = dtype_name(self.dtype), self.policy.vae_dtype
@@ -328,8 +334,7 @@ class VideoPipeline:
         scope: StageScope,
         kept: list[torch.Tensor] | None = None,
     ) -> np.ndarray:
-        backends = [getattr(SDPBackend, name) for name in self.policy.attention if name in SDPA_PREFERENCE]
-        with torch.inference_mode(), sdpa_kernel(backends, set_priority=True):
+        with self._kernels():
             started = stage = self._clock()
 
             # 1. Encode the prompt (and the negative prompt when classifier-free guidance is on).

@@ -67,19 +67,26 @@ _NEXT = text(
     """
 )
 
-# Charge a claim: the tenant's pass moves on by 1 / its weight (weights by tenant name, default 1); the clock to the
-# start time used (never back).
+# Charge a claim: the tenant's pass moves on from its start time (its pass, or the class's clock when that is later)
+# by 1 / its weight (weights by tenant name, default 1); a turn's claim also moves the class's clock to that start
+# (never back). Run under the class's lock, the start is the one ``_NEXT`` ordered the tenant by.
 _CHARGE = text(
     """
     WITH weight AS (
         SELECT coalesce((CAST(:weights AS jsonb) ->> t.name)::float8, 1.0) AS w FROM tenants t WHERE t.id = :tenant
     ),
+    start AS (
+        SELECT greatest(
+            coalesce((SELECT pass FROM fair_shares WHERE priority_class = :klass AND tenant_id = :tenant), 0.0),
+            coalesce((SELECT vtime FROM fair_clocks WHERE priority_class = :klass), 0.0)
+        ) AS s
+    ),
     share AS (
         INSERT INTO fair_shares (priority_class, tenant_id, pass)
-        SELECT :klass, :tenant, :start + 1.0 / weight.w FROM weight
+        SELECT :klass, :tenant, start.s + 1.0 / weight.w FROM weight CROSS JOIN start
         ON CONFLICT (priority_class, tenant_id) DO UPDATE SET pass = excluded.pass
     )
-    INSERT INTO fair_clocks (priority_class, vtime) VALUES (:klass, :start)
+    INSERT INTO fair_clocks (priority_class, vtime) SELECT :klass, start.s FROM start WHERE :moves_clock
     ON CONFLICT (priority_class) DO UPDATE SET vtime = greatest(fair_clocks.vtime, excluded.vtime)
     """
 )
@@ -97,7 +104,7 @@ class Turn:
 def next_turn(session: Session, klass: PriorityClass, *, offered: uuid.UUID) -> Turn | None:
     """The job to claim for ``offered``'s message, taken from the queue of ``klass``; None when the class has no
     claimable job. Locks the class's fair order until the caller's transaction ends (call ``charge`` in it once the
-    claim succeeded).
+    claim succeeded; ``start`` is the virtual time it will charge from).
 
     Candidates are the jobs already sent (``enqueued_at`` recorded) and the message's own: each has a message on its
     way, so whichever is claimed, a message is left for every job still waiting. A job committed but not sent yet
@@ -109,12 +116,13 @@ def next_turn(session: Session, klass: PriorityClass, *, offered: uuid.UUID) -> 
     return Turn(job_id=row.id, tenant_id=row.tenant_id, start=float(row.start))
 
 
-def charge(session: Session, klass: PriorityClass, turn: Turn, *, weights: Mapping[str, float]) -> None:
-    """Advance ``turn``'s tenant past the job it just claimed, and the class's clock to its start."""
-    session.execute(
-        _CHARGE,
-        {"klass": klass.value, "tenant": turn.tenant_id, "start": turn.start, "weights": json.dumps(dict(weights))},
-    )
+def charge(
+    session: Session, klass: PriorityClass, tenant: uuid.UUID, *, weights: Mapping[str, float], moves_clock: bool
+) -> None:
+    """Advance ``tenant`` past the job of ``klass`` it just claimed; ``moves_clock``: it was the class's turn (not a
+    batch's rider), so the class's clock moves to its start."""
+    params = {"klass": klass.value, "tenant": tenant, "weights": json.dumps(dict(weights)), "moves_clock": moves_clock}
+    session.execute(_CHARGE, params)
 
 
 def claim_next(
@@ -133,7 +141,7 @@ def claim_next(
         return None
     job = claim(session, turn.job_id, worker_id=worker_id, lease_s=lease_s)
     if job is not None:  # the row was read under the class's lock: only a cancel in between can refuse the claim
-        charge(session, klass, turn, weights=weights)
+        charge(session, klass, turn.tenant_id, weights=weights, moves_clock=True)
     return job
 
 
@@ -147,24 +155,6 @@ _RIDERS = text(
       AND NOT j.cancel_requested AND j.attempt < j.max_attempts AND j.enqueued_at IS NOT NULL
     ORDER BY j.created_at, j.id
     LIMIT :n
-    """
-)
-
-# A rider's tenant is charged as a turn of its own: from its start time (its pass, or the clock) by 1 / its weight.
-_CHARGE_RIDER = text(
-    """
-    WITH weight AS (
-        SELECT coalesce((CAST(:weights AS jsonb) ->> t.name)::float8, 1.0) AS w FROM tenants t WHERE t.id = :tenant
-    ),
-    start AS (
-        SELECT greatest(
-            coalesce((SELECT pass FROM fair_shares WHERE priority_class = :klass AND tenant_id = :tenant), 0.0),
-            coalesce((SELECT vtime FROM fair_clocks WHERE priority_class = :klass), 0.0)
-        ) AS s
-    )
-    INSERT INTO fair_shares (priority_class, tenant_id, pass)
-    SELECT :klass, :tenant, start.s + 1.0 / weight.w FROM weight CROSS JOIN start
-    ON CONFLICT (priority_class, tenant_id) DO UPDATE SET pass = excluded.pass
     """
 )
 
@@ -192,8 +182,6 @@ def claim_riders(
     for row in rows:
         job = claim(session, row.id, worker_id=worker_id, lease_s=lease_s)
         if job is not None:
-            session.execute(
-                _CHARGE_RIDER, {"klass": klass.value, "tenant": row.tenant_id, "weights": json.dumps(dict(weights))}
-            )
+            charge(session, klass, row.tenant_id, weights=weights, moves_clock=False)  # a turn of its own
             claimed.append(job)
     return claimed

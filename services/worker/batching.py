@@ -24,6 +24,7 @@ from shared.infra.config import Settings
 from shared.infra.db import session_scope
 from shared.jobs.fairness import claim_riders
 from shared.messaging.celery_app import VidqCelery
+from shared.models import Job
 from shared.queues import PriorityClass
 from shared.spec import GenerationSpec
 
@@ -40,6 +41,11 @@ class Claimed:
     spec: GenerationSpec
     traceparent: str | None
     claimed_at: float = field(default_factory=time.monotonic)  # when: a job's cost runs from its claim to its end
+
+    @classmethod
+    def of(cls, job: Job) -> Claimed:
+        """The job as its claim just returned it (its attempt is the new token)."""
+        return cls(job.id, job.attempt, str(job.tenant_id), GenerationSpec.from_dict(job.spec), job.traceparent)
 
 
 def window_s(settings: Settings, klass: PriorityClass, *, backlog: int, limit: int) -> float:
@@ -71,10 +77,7 @@ def gather_riders(claimed: Claimed, *, klass: PriorityClass, celery: VidqCelery,
                 lease_s=settings.lease_s,
                 weights=settings.fair_share_weights,
             )
-            riders += [
-                Claimed(job.id, job.attempt, str(job.tenant_id), GenerationSpec.from_dict(job.spec), job.traceparent)
-                for job in jobs
-            ]
+            riders += [Claimed.of(job) for job in jobs]
         if len(riders) >= limit or time.monotonic() >= deadline:
             break
         time.sleep(settings.batch_poll_s)

@@ -37,7 +37,6 @@ from shared.messaging.dispatch import after_transition_commit
 from shared.messaging.progress import ProgressPublisher
 from shared.models import Job
 from shared.queues import PriorityClass
-from shared.spec import GenerationSpec
 
 if TYPE_CHECKING:  # the render code (torch) is imported where a job renders, not when the task module loads
     pass
@@ -122,8 +121,14 @@ def run_job(
             extra={"job_id": str(job_id), "error": repr(exc)[:300]},
         )
         outcome = "abandoned"
+    return _counted(outcome, celery)
+
+
+def _counted(outcome: str, celery: VidqCelery) -> str:
+    """``outcome``, counted in the metrics and, for a job that left the queue for good or for another attempt, in
+    the fleet's service rate."""
     JOBS.labels(outcome).inc()
-    if outcome not in ("dropped", "abandoned"):  # a claimed job left the queue for good or for another attempt
+    if outcome not in ("dropped", "abandoned"):
         job_done(celery)
     return outcome
 
@@ -166,7 +171,7 @@ def _run_job(
             )
             if job.attempt == 1 and job.started_at is not None:  # a retry's wait would count the failed attempt
                 QUEUE_WAIT.labels(job.priority_class).observe((job.started_at - job.created_at).total_seconds())
-            return Claimed(job.id, job.attempt, str(job.tenant_id), GenerationSpec.from_dict(job.spec), job.traceparent)
+            return Claimed.of(job)
 
     # Postgres down: the message is this job's only pointer in the broker (acks_late: it is acked when the task
     # returns), so the worker holds it and retries the claim until the database answers — the job then runs the
@@ -201,8 +206,7 @@ def _run_job(
             [claimed, *riders], settings=settings, celery=celery, storage=storage, progress=progress
         )
     for rider, outcome in zip(riders, outcomes[1:], strict=True):  # the message's own outcome is run_job's
-        JOBS.labels(outcome).inc()
-        job_done(celery)
+        _counted(outcome, celery)
         log.info("batch member done", extra={"job_id": str(rider.job_id), "outcome": outcome})
     return outcomes[0]
 

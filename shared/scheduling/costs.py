@@ -18,6 +18,7 @@ import json
 import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 
@@ -100,6 +101,12 @@ class CostModel:
     def cost_s(self, spec: GenerationSpec) -> float | None:
         """Seconds a worker is expected to spend on ``spec``; None when its model was never measured."""
         return self.cost_of(spec.model, spec.num_frames, spec.height, spec.width, spec.steps)
+
+    def cost_of_stored(self, spec: Mapping[str, Any]) -> float | None:
+        """``cost_s`` of a job's stored spec (``jobs.spec``), read for its shape and steps alone."""
+        return self.cost_of(
+            str(spec["model"]), int(spec["num_frames"]), int(spec["height"]), int(spec["width"]), int(spec["steps"])
+        )
 
     def cost_of(self, model: str, frames: int, height: int, width: int, steps: int) -> float | None:
         """``cost_s`` from a job's shape and steps alone."""

@@ -45,7 +45,6 @@ from shared.jobs.status import JobStatus
 from shared.models import Job
 from shared.queues import PriorityClass
 from shared.scheduling import costs
-from shared.spec import GenerationSpec
 
 log = logging.getLogger("vidq.api.estimates")
 
@@ -164,13 +163,12 @@ class Estimator:
         status = JobStatus(job.status)
         if view is None or view.workers <= 0 or status.is_terminal():
             return None
-        spec = GenerationSpec.from_dict(job.spec)
-        own = view.costs.cost_s(spec)
+        own = view.costs.cost_of_stored(job.spec)
         if own is None:
             return None
         now = datetime.now(UTC)
         if status is JobStatus.RUNNING:
-            left = own * max(0.0, 1.0 - job.progress_step / max(1, spec.steps))
+            left = own * max(0.0, 1.0 - job.progress_step / max(1, int(job.spec["steps"])))
             return EstimateOut(
                 start_at=job.started_at or now,
                 finish_at=now + timedelta(seconds=left),
@@ -194,10 +192,7 @@ class Estimator:
         view = self._view
         if view is None or JobStatus(job.status) is not JobStatus.QUEUED:
             return
-        spec = job.spec
-        cost = view.costs.cost_of(
-            str(spec["model"]), int(spec["num_frames"]), int(spec["height"]), int(spec["width"]), int(spec["steps"])
-        )
+        cost = view.costs.cost_of_stored(job.spec)
         view.add(
             job.priority_class, job.tenant_id, job.created_at, view.typical_s if cost is None else cost, seen=False
         )

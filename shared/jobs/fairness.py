@@ -94,17 +94,16 @@ _CHARGE = text(
 
 @dataclass(frozen=True, slots=True)
 class Turn:
-    """The job a message of a class should claim, and the virtual time its tenant starts it at."""
+    """The job a message of a class should claim, and its tenant."""
 
     job_id: uuid.UUID
     tenant_id: uuid.UUID
-    start: float
 
 
 def next_turn(session: Session, klass: PriorityClass, *, offered: uuid.UUID) -> Turn | None:
     """The job to claim for ``offered``'s message, taken from the queue of ``klass``; None when the class has no
     claimable job. Locks the class's fair order until the caller's transaction ends (call ``charge`` in it once the
-    claim succeeded; ``start`` is the virtual time it will charge from).
+    claim succeeded).
 
     Candidates are the jobs already sent (``enqueued_at`` recorded) and the message's own: each has a message on its
     way, so whichever is claimed, a message is left for every job still waiting. A job committed but not sent yet
@@ -113,7 +112,7 @@ def next_turn(session: Session, klass: PriorityClass, *, offered: uuid.UUID) -> 
     row = session.execute(_NEXT, {"klass": klass.value, "offered": offered}).first()
     if row is None:
         return None
-    return Turn(job_id=row.id, tenant_id=row.tenant_id, start=float(row.start))
+    return Turn(job_id=row.id, tenant_id=row.tenant_id)
 
 
 def charge(

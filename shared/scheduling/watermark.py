@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import uuid
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,17 @@ import redis.asyncio as aioredis
 
 from shared.infra.config import Settings
 from shared.queues import PriorityClass, class_of_queue
+
+_scripts: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+
+def _script(client: Any, source: str) -> Any:
+    """``source`` registered with ``client`` once (its SHA computed once; called with EVALSHA, loaded when Redis lacks
+    it), not on every submit or sample."""
+    registered = _scripts.setdefault(client, {})
+    if source not in registered:
+        registered[source] = client.register_script(source)
+    return registered[source]
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +80,7 @@ def keys(settings: Settings) -> Keys:
 def publish_utilization(client: redis.Redis, settings: Settings, *, worker: str, utilization: float) -> None:
     """A worker's smoothed utilisation, stamped with Redis's clock (read by the stepper, which forgets a worker
     silent for ``scheduling_util_stale_s``)."""
-    client.register_script(_PUBLISH_LUA)(keys=[keys(settings).utilization], args=[worker, f"{utilization:.4f}"])
+    _script(client, _PUBLISH_LUA)(keys=[keys(settings).utilization], args=[worker, f"{utilization:.4f}"])
 
 
 def count_done(client: redis.Redis, settings: Settings) -> None:
@@ -99,7 +111,7 @@ class Snapshot:
 def step(client: redis.Redis, settings: Settings) -> Snapshot:
     """One cycle of the stepper (a no-op when the last step is younger than ``scheduling_cycle_s``)."""
     k = keys(settings)
-    raw: list[Any] = client.register_script(_STEP_LUA)(
+    raw: list[Any] = _script(client, _STEP_LUA)(
         keys=[k.utilization, k.state, k.done],
         args=[
             settings.scheduling_cycle_s,
@@ -216,7 +228,7 @@ async def admit(client: aioredis.Redis, settings: Settings, klass: PriorityClass
     processes). The job's message takes the reservation's place when it is published (``take_reservation``, in the
     same atomic step), so each job counts once. Raises redis errors: the caller fails open."""
     k = keys(settings)
-    raw: list[Any] = await client.register_script(_ADMIT_LUA)(
+    raw: list[Any] = await _script(client, _ADMIT_LUA)(
         keys=[k.queue(klass), k.reservations(klass), k.state],
         args=[
             klass.value,

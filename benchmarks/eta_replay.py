@@ -29,17 +29,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from benchmarks.realstack import machine, open_loop, real_stack, wait_finished
+from benchmarks.realstack import machine, open_loop, real_stack, wait_finished, when
 
 MIX: list[dict[str, Any]] = [
     {"prompt": "a red fox runs through snow", "width": 64, "height": 64, "duration_s": 1.0, "fps": 8, "steps": 4},
     {"prompt": "a boat on a lake at dawn", "width": 128, "height": 128, "duration_s": 1.0, "fps": 8, "steps": 4},
     {"prompt": "rain over a city at night", "width": 64, "height": 64, "duration_s": 2.0, "fps": 8, "steps": 8},
 ]
-
-
-def when(text: str) -> float:
-    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
 
 
 def pct(values: list[float], q: float) -> float | None:

@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -171,6 +172,11 @@ def wait_finished(stack: Stack, ids: list[str], *, timeout_s: float) -> dict[str
         for job_id in ids:
             done.setdefault(job_id, http.get(f"/v1/jobs/{job_id}").json())
     return done
+
+
+def when(text: str) -> float:
+    """A job body's timestamp (ISO 8601, ``Z`` or an offset) as seconds since the epoch."""
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
 
 
 def machine() -> dict[str, str]:

@@ -27,14 +27,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from benchmarks.realstack import Stack, machine, open_loop, real_stack, wait_finished
+from benchmarks.realstack import Stack, machine, open_loop, real_stack, wait_finished, when
 
 BODY = {"prompt": "a red fox runs through snow", "width": 64, "height": 64, "duration_s": 1.0, "fps": 8, "steps": 4}
 CLASSES = ("high", "medium", "low")
-
-
-def when(text: str) -> float:
-    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
 
 
 def sample_depths(stack: Stack, stop: threading.Event, out: list[dict[str, Any]]) -> None:

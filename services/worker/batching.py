@@ -21,7 +21,7 @@ import redis
 
 from services.worker.batch_table import load
 from shared.infra.config import Settings
-from shared.infra.db import session_scope
+from shared.infra.db import db_unreachable, session_scope
 from shared.jobs.fairness import claim_riders
 from shared.messaging.celery_app import VidqCelery
 from shared.models import Job
@@ -67,23 +67,36 @@ def gather_riders(claimed: Claimed, *, klass: PriorityClass, celery: VidqCelery,
     deadline = time.monotonic() + window_s(settings, klass, backlog=_backlog(celery, klass), limit=limit + 1)
     riders: list[Claimed] = []
     while True:
-        with session_scope(settings) as session:
-            jobs = claim_riders(
-                session,
-                klass,
-                key=claimed.spec.batch_key(),
-                limit=limit - len(riders),
-                worker_id=worker,
-                lease_s=settings.lease_s,
-                weights=settings.fair_share_weights,
-            )
-            riders += [Claimed.of(job) for job in jobs]
+        try:
+            riders += _claim_riders(claimed, klass=klass, settings=settings, worker=worker, limit=limit - len(riders))
+        except Exception as exc:
+            if not db_unreachable(exc):
+                raise
+            # Postgres went away: the batch is what was claimed so far (those riders are committed and run).
+            log.warning("batch formation cut short: Postgres unreachable", extra={"error": repr(exc)[:200]})
+            break
         if len(riders) >= limit or time.monotonic() >= deadline:
             break
         time.sleep(settings.batch_poll_s)
     if riders:
         log.info("batch formed", extra={"job_id": str(claimed.job_id), "riders": [str(r.job_id) for r in riders]})
     return riders
+
+
+def _claim_riders(
+    claimed: Claimed, *, klass: PriorityClass, settings: Settings, worker: str, limit: int
+) -> list[Claimed]:
+    with session_scope(settings) as session:
+        jobs = claim_riders(
+            session,
+            klass,
+            key=claimed.spec.batch_key(),
+            limit=limit,
+            worker_id=worker,
+            lease_s=settings.lease_s,
+            weights=settings.fair_share_weights,
+        )
+        return [Claimed.of(job) for job in jobs]
 
 
 def _backlog(celery: VidqCelery, klass: PriorityClass) -> int:

@@ -14,8 +14,6 @@ from typing import TYPE_CHECKING, TypeVar
 
 from celery.exceptions import SoftTimeLimitExceeded
 from opentelemetry import trace
-from sqlalchemy.exc import DBAPIError, OperationalError
-from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_delay
 
@@ -26,7 +24,7 @@ from services.worker.render import TRANSIENT, Rendered, backoff, render_members,
 from services.worker.scheduling import busy, job_done, render_cost
 from shared.errors import EmbeddingsUnavailable, JobCancelled, LeaseLost, ModelUnavailable
 from shared.infra.config import Settings
-from shared.infra.db import session_scope
+from shared.infra.db import db_unreachable, session_scope
 from shared.infra.storage import Storage
 from shared.infra.tracing import continuing, stage_span
 from shared.jobs.fairness import claim_next
@@ -48,13 +46,6 @@ T = TypeVar("T")
 
 class ClaimDeferred(Exception):
     """Postgres did not answer for ``worker_claim_wait_s``: the task re-publishes its message (tasks.py)."""
-
-
-def db_unreachable(exc: BaseException) -> bool:
-    """Postgres is down or unreachable (refused, reset, timed out, no pooled connection), not a bad statement."""
-    if isinstance(exc, OperationalError | PoolTimeout):
-        return True
-    return isinstance(exc, DBAPIError) and bool(exc.connection_invalidated)
 
 
 def _retry_db(fn: Callable[[], T], *, settings: Settings, deadline: float, what: str, ctx: dict[str, str]) -> T:

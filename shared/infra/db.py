@@ -7,6 +7,8 @@ from contextlib import contextmanager
 
 import sqlalchemy
 from sqlalchemy import Engine
+from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, sessionmaker
 
 from shared.infra.config import Settings
@@ -61,3 +63,10 @@ def session_scope(settings: Settings) -> Iterator[Session]:
         raise
     finally:
         session.close()
+
+
+def db_unreachable(exc: BaseException) -> bool:
+    """Postgres is down or unreachable (refused, reset, timed out, no pooled connection), not a bad statement."""
+    if isinstance(exc, OperationalError | PoolTimeout):
+        return True
+    return isinstance(exc, DBAPIError) and bool(exc.connection_invalidated)

@@ -6,12 +6,14 @@ import logging
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
+from starlette.types import ASGIApp
 
 from services.api import health
 from services.api.admin import routes as admin
-from services.api.admission import AdmissionLimit, admission_kwargs
+from services.api.admission import Door, door_kwargs
 from services.api.console import routes as console
 from services.api.deps import KeyCache
 from services.api.error_handlers import install_error_handlers
@@ -33,6 +35,18 @@ from shared.infra.tracing import setup_tracing
 from shared.messaging.celery_app import make_celery
 
 log = logging.getLogger("vidq.api")
+
+
+class _App(FastAPI):
+    """FastAPI with the door (services/api/admission.py) outside its whole middleware stack: a refusal is answered
+    before FastAPI's own middleware, routing, dependencies or body parsing run."""
+
+    def __init__(self, settings: Settings, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._door = door_kwargs(settings)
+
+    def build_middleware_stack(self) -> ASGIApp:
+        return Door(super().build_middleware_stack(), state=self.state, **self._door)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -76,7 +90,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if tracing is not None:
             tracing.shutdown()
 
-    app = FastAPI(
+    app = _App(
+        settings,
         title="vidq",
         version="0.1.0",
         description="Asynchronous text-to-video: submit a prompt, get an MP4 in S3 and a signed webhook.",
@@ -91,8 +106,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(videos.router)  # OpenAI's videos API over the same jobs
 
     install_error_handlers(app, retry_after_s=settings.api_retry_after_s)
-    app.add_middleware(AdmissionLimit, **admission_kwargs(settings))
-    app.add_middleware(RequestTiming)  # outermost: the latency includes the wait for admission
+    app.add_middleware(RequestTiming)  # the latency includes the wait for a slot at the door
     # Before the app serves (its middleware stack is built then); None and nothing installed while tracing is off.
     tracing = setup_tracing("vidq-api", settings, app=app)
 

@@ -61,6 +61,11 @@ class KeyCache:
             return None
         return hit[0]
 
+    def knows(self, authorization: str) -> bool:
+        """Whether an ``Authorization`` header's bearer key is one this process found valid recently."""
+        scheme, _, key = authorization.partition(" ")
+        return scheme.lower() == "bearer" and bool(key.strip()) and self.get(hash_key(key.strip())) is not None
+
     def put(self, key_hash: str, caller: Caller) -> None:
         if len(self._entries) >= self.max_entries:
             self._entries.clear()  # rare; simpler than LRU and bounded all the same

@@ -88,7 +88,9 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 # A submit refused by the admission watermark (shared/scheduling/watermark.py): documented on both submit routes.
 QUEUE_FULL_DESCRIPTION = (
     "queue_full: the job's priority class already holds as many waiting jobs as the admission watermark allows "
-    "(it follows how busy the GPUs are). Nothing was written; submit again after Retry-After seconds."
+    "(it follows how busy the GPUs are); or, while every class is full, any new submit without an Idempotency-Key "
+    "(then `details.classes` gives each class's backlog and watermark). Nothing was written; submit again after "
+    "Retry-After seconds."
 )
 RETRY_AFTER_HEADER = {
     "description": "Seconds until the backlog is expected to be under the watermark, at the measured service rate",

@@ -65,7 +65,7 @@ class Settings(BaseSettings):
     # Requests that may wait for a slot at once (0 = as many as the slots serve within api_queue_timeout_s, from the
     # measured time a request holds its slot); past that a request is refused at once.
     api_max_queued: int = 0
-    api_queue_timeout_s: float = 1.0
+    api_queue_timeout_s: float = 0.5
     api_retry_after_s: int = 1
     api_key_cache_s: float = 10.0  # an API key's tenant is remembered this long (a revoked key works ≤ this long)
     public_base_url: str = "http://127.0.0.1:8000"

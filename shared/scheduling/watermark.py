@@ -243,6 +243,15 @@ async def admit(client: aioredis.Redis, settings: Settings, klass: PriorityClass
     return Decision(admitted=bool(int(admitted)), backlog=int(backlog), watermark=int(watermark), rate=float(rate))
 
 
+@dataclass(frozen=True, slots=True)
+class FleetFull:
+    """Every class at its watermark, as the latest decisions found them: (class, backlog, watermark) each, and the
+    soonest Retry-After among them (a refused client may come back when any class has room)."""
+
+    classes: tuple[tuple[PriorityClass, int, int], ...]
+    retry_after_s: int
+
+
 def take_reservation(pipe: redis.client.Pipeline, prefix: str, *, queue: str, job_id: uuid.UUID) -> None:
     """In the transaction that pushes ``job_id``'s message onto ``queue``: its reservation ends (nothing for a queue
     that is not a video class's, or a job that has none, such as a re-send)."""

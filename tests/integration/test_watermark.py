@@ -23,12 +23,25 @@ from tools.processes import ProcessGroup, vidq_argv, wait_for_log, wait_http
 W = 8
 
 
+# Thresholds under which these three bodies fall in three classes (the door's 429 needs every class full).
+LONG_PROMPT = "a tiny red boat drifts across a misty golden lake, cinematic and dramatic, while birds fly"
+BY_CLASS = {
+    "high": {**TINY, "prompt": LONG_PROMPT},
+    "medium": TINY,
+    "low": {**TINY, "duration_s": 4.0},
+}
+THRESHOLDS = {"VIDQ_SCORE_HIGH": "0.40", "VIDQ_SCORE_MEDIUM": "0.30"}
+
+
 @pytest.fixture
-def group(procs: ProcessGroup, settings) -> Iterator[ProcessGroup]:
+def group(procs: ProcessGroup, settings, request) -> Iterator[ProcessGroup]:
     prefix = f"{settings.broker_key_prefix}wm-{os.urandom(3).hex()}:"
     levels = {f"VIDQ_WATERMARK_{k}": str(W) for k in ("IDLE", "NORMAL", "BUSY", "MIN", "MAX")}
+    extra = getattr(request, "param", {})  # more environment, from an indirect parametrization
     own = ProcessGroup(
-        env={**procs.env, "VIDQ_BROKER_KEY_PREFIX": prefix, **levels}, log_dir=procs.log_dir, spawn=procs.spawn
+        env={**procs.env, "VIDQ_BROKER_KEY_PREFIX": prefix, **levels, **extra},
+        log_dir=procs.log_dir,
+        spawn=procs.spawn,
     )
     yield own
     own.stop_all(timeout_s=10)
@@ -105,3 +118,23 @@ def test_a_worker_draining_the_queue_opens_it_again(api, group, settings):
     later = api.post("/v1/jobs", json={**TINY, "seed": 99})
     assert later.status_code == 202
     assert uuid.UUID(later.json()["id"])
+
+
+@pytest.mark.parametrize("group", [THRESHOLDS], indirect=True)
+def test_while_every_class_is_full_a_submit_is_refused_at_the_door(api, settings):
+    """Past the door nothing of the request is read: a body that is not even JSON gets the 429, not a 422."""
+    for klass, body in BY_CLASS.items():
+        answers = [api.post("/v1/jobs", json={**body, "seed": 100 + i}) for i in range(W + 1)]
+        assert [r.status_code for r in answers] == [202] * W + [429]
+        assert answers[-1].json()["error"]["details"]["priority_class"] == klass
+    refused = api.post("/v1/jobs", content=b"{not json", headers={"Content-Type": "application/json"})
+    assert refused.status_code == 429, refused.text
+    assert int(refused.headers["Retry-After"]) >= 1
+    details = refused.json()["error"]["details"]
+    assert details == {"classes": {k: {"backlog": W, "watermark": W} for k in BY_CLASS}}
+    assert rows(settings, Job) == 3 * W
+    # An unknown key still gets its 401, and a request with an Idempotency-Key goes in (a replay is never refused).
+    stranger = api.post("/v1/jobs", content=b"{}", headers={"Authorization": "Bearer nobody"})
+    assert stranger.status_code == 401
+    keyed = api.post("/v1/jobs", content=b"{not json", headers={"Idempotency-Key": "k-9"})
+    assert keyed.status_code == 422

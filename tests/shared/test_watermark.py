@@ -174,3 +174,40 @@ def test_a_worker_publishes_under_its_own_id(wm):
             worker="x",
             utilization=0.1,
         )
+
+
+def test_the_fleet_is_full_while_every_class_refused_within_a_cycle(wm):
+    """What the API's door refuses on: each class's last decision a refusal, none older than a scheduling cycle."""
+    fixed = wm.model_copy(update={"watermark_idle": 2, "watermark_normal": 2, "watermark_busy": 2, "watermark_min": 2})
+    now = [1000.0]
+
+    async def fill(watermark: Watermark, klass: PriorityClass) -> None:
+        await watermark.check(klass, uuid.uuid4())
+        await watermark.check(klass, uuid.uuid4())
+        with pytest.raises(QueueFull):
+            await watermark.check(klass, uuid.uuid4())
+
+    async def run() -> None:
+        watermark = Watermark(fixed, clock=lambda: now[0])
+        try:
+            await fill(watermark, PriorityClass.HIGH)
+            await fill(watermark, PriorityClass.MEDIUM)
+            assert watermark.fleet_full() is None  # the low class still has room
+            await fill(watermark, PriorityClass.LOW)
+            full = watermark.fleet_full()
+            assert full is not None
+            assert full.classes == tuple((k, 2, 2) for k in PriorityClass)
+            assert full.retry_after_s == fixed.api_retry_after_s  # no service rate measured yet
+            now[0] += 0.1  # a cycle later (0.1 s at least): the next submit decides again
+            assert watermark.fleet_full() is None
+            for klass in PriorityClass:
+                with pytest.raises(QueueFull):
+                    await watermark.check(klass, uuid.uuid4())
+            assert watermark.fleet_full() is not None
+            broker_client(fixed).delete(keys(fixed).reservations(PriorityClass.MEDIUM))  # a class has room again
+            await watermark.check(PriorityClass.MEDIUM, uuid.uuid4())
+            assert watermark.fleet_full() is None
+        finally:
+            await watermark.close()
+
+    asyncio.run(run())

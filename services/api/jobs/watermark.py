@@ -4,6 +4,10 @@ and the stepper this process runs in the background.
 The check is one Redis call within ``scheduling_redis_timeout_s``. When it fails (the scheduling Redis is down or
 slow), the submit is admitted without a check and so is every submit of the next ``scheduling_redis_backoff_s``:
 during an outage admission stays open, at the cost of one short try per back-off period, never one per submit.
+
+Each decision is remembered for one scheduling cycle (the period in which the watermark may change): while the
+last decision of every class refused, ``fleet_full`` says so and the API's door (services/api/admission.py) refuses
+new submits before reading them; the first submit after a class's decision has aged out goes in and decides again.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Callable
 
 import redis
 from prometheus_client import Counter, Gauge
@@ -21,7 +26,7 @@ from shared.errors import QueueFull
 from shared.infra.config import Settings
 from shared.infra.redis_clients import async_broker_client, broker_client
 from shared.queues import PriorityClass
-from shared.scheduling.watermark import Snapshot, admit, step
+from shared.scheduling.watermark import Decision, FleetFull, Snapshot, admit, step
 
 log = logging.getLogger("vidq.api.watermark")
 
@@ -47,32 +52,37 @@ FAILED_OPEN = Counter("vidq_api_watermark_unavailable_total", "Watermark checks 
 
 
 class Watermark:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
+        self._clock = clock
         timeout = settings.scheduling_redis_timeout_s
         self._client = async_broker_client(settings, retries=0, timeout_s=timeout)
         self._stepper_client = broker_client(settings, timeout_s=timeout, retries=0)
         self._open_until = 0.0  # monotonic: no check before this (the last one failed)
         self._task: asyncio.Task[None] | None = None
         self.last: Snapshot | None = None  # what the last step (this process's or another's) set
+        # Each class's last refusal, while it is recent: (monotonic time it ages out, its decision).
+        self._refusals: dict[PriorityClass, tuple[float, Decision]] = {}
+        self._fleet_full: FleetFull | None = None  # built from _refusals when every class has one
 
     async def check(self, klass: PriorityClass, job_id: uuid.UUID) -> None:
         """Admit the new job ``job_id`` of ``klass`` or raise ``QueueFull`` (429 + Retry-After)."""
         settings = self.settings
-        if not settings.watermark_enabled or time.monotonic() < self._open_until:
+        if not settings.watermark_enabled or self._clock() < self._open_until:
             return
         try:
             decision = await asyncio.wait_for(
                 admit(self._client, settings, klass, job_id=job_id), settings.scheduling_redis_timeout_s
             )
         except (redis.RedisError, OSError, TimeoutError) as exc:
-            self._open_until = time.monotonic() + settings.scheduling_redis_backoff_s
+            self._open_until = self._clock() + settings.scheduling_redis_backoff_s
             FAILED_OPEN.inc()
             log.warning(
                 "watermark unavailable; admitting without it",
                 extra={"error": repr(exc)[:200], "for_s": settings.scheduling_redis_backoff_s},
             )
             return
+        self._remember(klass, decision)
         if not decision.admitted:
             REFUSED.labels(klass.value).inc()
             raise QueueFull(
@@ -80,6 +90,30 @@ class Watermark:
                 f"({decision.watermark}); submit again later",
                 retry_after_s=decision.retry_after_s(settings),
                 details={"priority_class": klass.value, "backlog": decision.backlog, "watermark": decision.watermark},
+            )
+
+    def fleet_full(self) -> FleetFull | None:
+        """Every class's last decision, within the last scheduling cycle, a refusal: what they found; else None."""
+        full = self._fleet_full
+        if full is None:
+            return None
+        if min(until for until, _ in self._refusals.values()) <= self._clock():
+            self._fleet_full = None  # a class's refusal aged out: the next submit of it decides again
+            return None
+        return full
+
+    def _remember(self, klass: PriorityClass, decision: Decision) -> None:
+        if decision.admitted:
+            self._refusals.pop(klass, None)
+            self._fleet_full = None
+            return
+        until = self._clock() + max(0.1, self.settings.scheduling_cycle_s)
+        self._refusals[klass] = (until, decision)
+        if len(self._refusals) == len(PriorityClass):
+            decisions = [(k, self._refusals[k][1]) for k in PriorityClass]
+            self._fleet_full = FleetFull(
+                classes=tuple((k, d.backlog, d.watermark) for k, d in decisions),
+                retry_after_s=min(d.retry_after_s(self.settings) for _, d in decisions),
             )
 
     def start(self) -> None:

@@ -1,14 +1,22 @@
-"""The admission limit on its own (no services): past the limit, requests wait for a slot, then get the 503."""
+"""The API's door on its own (no services): past the limit, requests wait for a slot, then get the 503; while every
+priority class is full, a known caller's new submit gets the 429 without reaching the app."""
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections import Counter
 
 import httpx
+import pytest
+from starlette.datastructures import State
 from starlette.types import Receive, Scope, Send
 
-from services.api.admission import AdmissionLimit
+from services.api.admission import Door
+from services.api.deps import Caller, KeyCache
+from shared.queues import PriorityClass
+from shared.scheduling.watermark import FleetFull
+from shared.tenants import hash_key
 
 HANG_GUARD_S = 30.0  # the burst settles within the queue timeout (0.2 s); this only ends a broken test
 
@@ -35,7 +43,7 @@ async def _burst(
     n: int, *, path: str = "/v1/jobs", max_queued: int = 100
 ) -> tuple[Counter[int], _Gate, list[httpx.Response]]:
     gate = _Gate()
-    app = AdmissionLimit(gate, limit=3, max_queued=max_queued, queue_timeout_s=0.2, retry_after_s=2)
+    app = Door(gate, limit=3, max_queued=max_queued, queue_timeout_s=0.2, retry_after_s=2)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
         pending = [asyncio.create_task(http.get(path)) for _ in range(n)]
         # The gate opens once every request is either answered or held at the gate: none is still waiting for a
@@ -60,7 +68,7 @@ def test_at_most_limit_in_flight_and_the_rest_refused_with_retry_after() -> None
 def test_past_a_full_wait_queue_a_request_is_refused_at_once() -> None:
     async def run() -> tuple[Counter[int], list[float]]:
         gate = _Gate()
-        app = AdmissionLimit(gate, limit=2, max_queued=3, queue_timeout_s=60.0, retry_after_s=1)
+        app = Door(gate, limit=2, max_queued=3, queue_timeout_s=60.0, retry_after_s=1)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
             held = [asyncio.create_task(http.get("/v1/jobs")) for _ in range(5)]  # 2 in flight, 3 waiting
             async with asyncio.timeout(HANG_GUARD_S):
@@ -86,7 +94,7 @@ def test_slots_come_back_after_a_burst() -> None:
     async def run() -> list[int]:
         gate = _Gate()
         gate.opened.set()
-        app = AdmissionLimit(gate, limit=2, max_queued=8, queue_timeout_s=0.2, retry_after_s=1)
+        app = Door(gate, limit=2, max_queued=8, queue_timeout_s=0.2, retry_after_s=1)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
             return [(await http.get("/v1/jobs")).status_code for _ in range(20)]
 
@@ -118,3 +126,65 @@ def test_the_videos_api_is_refused_in_openais_error_shape() -> None:
             "code": "overloaded",
         }
     ]
+
+
+# The watermark's 429 at the door: while every class is full, a known caller's new submit is refused before the app.
+
+KEY = "vq_test_key"
+FULL = FleetFull(classes=tuple((k, 9, 8) for k in PriorityClass), retry_after_s=7)
+
+
+class _Watermark:
+    def __init__(self, full: FleetFull | None) -> None:
+        self.full = full
+
+    def fleet_full(self) -> FleetFull | None:
+        return self.full
+
+
+async def _submit(
+    full: FleetFull | None, *, path: str = "/v1/jobs", method: str = "POST", headers: dict[str, str] | None = None
+) -> tuple[httpx.Response, _Gate]:
+    gate = _Gate()
+    gate.opened.set()
+    keys = KeyCache(ttl_s=60)
+    keys.put(hash_key(KEY), Caller(id=uuid.uuid4(), name="t"))
+    state = State({"watermark": _Watermark(full), "key_cache": keys})
+    app = Door(gate, limit=2, max_queued=8, queue_timeout_s=0.2, retry_after_s=1, state=state)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+        sent = {"Authorization": f"Bearer {KEY}", **(headers or {})}
+        # Not even JSON: a refusal at the door reads no body (past the door it would be a 422).
+        response = await http.request(method, path, content=b"{not json", headers=sent)
+    return response, gate
+
+
+def test_while_every_class_is_full_a_submit_is_refused_at_the_door() -> None:
+    response, gate = asyncio.run(_submit(FULL))
+    assert response.status_code == 429 and response.headers["retry-after"] == "7"
+    assert gate.most_inside == 0  # the app never saw it
+    error = response.json()["error"]
+    assert error["code"] == "queue_full"
+    assert error["details"] == {"classes": {k.value: {"backlog": 9, "watermark": 8} for k in PriorityClass}}
+
+
+def test_on_the_videos_api_the_door_refuses_in_openais_shape() -> None:
+    response, _ = asyncio.run(_submit(FULL, path="/v1/videos"))
+    assert response.status_code == 429 and response.headers["retry-after"] == "7"
+    error = response.json()["error"]
+    assert error["code"] == "queue_full" and error["type"] == "rate_limit_error"
+
+
+@pytest.mark.parametrize(
+    ("full", "method", "path", "headers"),
+    [
+        (None, "POST", "/v1/jobs", {}),  # some class has room: the job's own class decides, inside
+        (FULL, "GET", "/v1/jobs", {}),  # not a submit
+        (FULL, "POST", "/v1/jobs/abc/cancel", {}),  # not a submit
+        (FULL, "POST", "/v1/jobs", {"Idempotency-Key": "k1"}),  # may be a replay: never refused
+        (FULL, "POST", "/v1/jobs", {"Authorization": "Bearer someone-else"}),  # unknown key: its 401 is inside
+        (FULL, "POST", "/v1/jobs", {"Authorization": ""}),  # no key: the same
+    ],
+)
+def test_the_door_lets_through_what_it_cannot_refuse_for_sure(full, method, path, headers) -> None:
+    response, gate = asyncio.run(_submit(full, method=method, path=path, headers=headers))
+    assert response.status_code == 200 and gate.most_inside == 1

@@ -12,7 +12,10 @@ server that falls behind is charged for the queue it builds (a closed loop would
   submit   POST /v1/jobs at fixed rates
   read     GET /v1/jobs/{id} at fixed rates
   overload POST at 5× the submit rate the target sustained, for 30 s; then: 5xx count, goodput (2xx/s) against
-           the peak, and recovery (time from the burst's end until a fresh request is answered 2xx in < 100 ms)
+           the peak, how fast every request was answered (refusals too), the CPU per 503 refusal, and recovery
+           (time from the burst's end until a fresh request is answered 2xx in < 100 ms)
+  queue full  POST at the same rate with every priority class at its admission watermark (W = 1): all 429, and
+           the CPU per refusal
 CPU ms per request is the API processes' CPU time (user+sys, all workers) over the requests they answered.
 Results: benchmarks/results/api_load_<date>.md (with the machine, versions and the command).
 """
@@ -52,7 +55,8 @@ class Run:
     name: str
     rate: float
     seconds: float
-    latencies_ms: list[float] = field(default_factory=list)
+    latencies_ms: list[float] = field(default_factory=list)  # the 2xx answers'
+    answered_ms: list[float] = field(default_factory=list)  # every answer's, refusals too
     statuses: Counter[int] = field(default_factory=Counter)
     errors: Counter[str] = field(default_factory=Counter)
     cpu_ms: float = 0.0
@@ -70,11 +74,21 @@ class Run:
         """5xx other than 503 (a 503 with Retry-After is load shed on purpose; it is counted apart)."""
         return sum(n for s, n in self.statuses.items() if s >= 500 and s != 503)
 
-    def pct(self, q: float) -> float:
-        if not self.latencies_ms:
+    def pct(self, q: float, of: list[float] | None = None) -> float:
+        values = self.latencies_ms if of is None else of
+        if not values:
             return float("nan")
-        ordered = sorted(self.latencies_ms)
+        ordered = sorted(values)
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    def answers(self) -> str:
+        """How fast every request was answered, refusals included (a request never answered counts as late)."""
+        within = sum(1 for ms in self.answered_ms if ms <= 1000.0)
+        worst = max(self.answered_ms, default=float("nan"))
+        return (
+            f"every answer p99 {self.pct(0.99, self.answered_ms):.0f} ms, max {worst:.0f} ms; {within} of "
+            f"{self.sent} ({100 * within / max(1, self.sent):.1f}%) answered within 1 s"
+        )
 
     def row(self) -> str:
         per_req = self.cpu_ms / max(1, self.ok)
@@ -126,10 +140,15 @@ class Target:
             [*run, "create-key", "--tenant", "bench"], env=self.env(), cwd=self.src, check=True, capture_output=True
         )
         self.key = json.loads(out.stdout.decode().strip().splitlines()[-1])["api_key"]
-        argv = [*run, "api", "--no-migrate", "--port", str(self.port)]
+        self.serve()
+
+    def serve(self, **extra_env: str) -> None:
+        """Start the API processes (with ``extra_env`` over the target's environment) and wait until they answer."""
+        argv = [sys.executable, "-m", _cli_module(self.src), "api", "--no-migrate", "--port", str(self.port)]
         if self.workers > 1:
             argv += ["--workers", str(self.workers)]
-        self.proc = subprocess.Popen(argv, env=self.env(), cwd=self.src, stdout=self.log.open("wb"), stderr=-2)
+        env = {**self.env(), **extra_env}
+        self.proc = subprocess.Popen(argv, env=env, cwd=self.src, stdout=self.log.open("ab"), stderr=-2)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             with contextlib.suppress(httpx.HTTPError):
@@ -143,12 +162,17 @@ class Target:
         procs = [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(recursive=True)]
         return float(sum(p.cpu_times().user + p.cpu_times().system for p in procs if p.is_running()))
 
-    def stop(self) -> None:
+    def halt(self) -> None:
+        """Stop the API processes (the database and the key stay)."""
         if self.proc is not None:
             self.proc.terminate()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=15)
             self.proc.kill()
+            self.proc = None
+
+    def stop(self) -> None:
+        self.halt()
         client = redis.Redis.from_url(REDIS)
         for key in client.scan_iter(match=f"{self.prefix}*", count=1000):
             client.delete(key)
@@ -222,8 +246,10 @@ async def open_loop(target: Target, run: Run, *, method: str, path: str | list[s
         try:
             status = await asyncio.wait_for(http.request(method, url, body), timeout=10.0)
             run.statuses[status] += 1
+            took_ms = (time.perf_counter() - scheduled) * 1000
+            run.answered_ms.append(took_ms)
             if 200 <= status < 300:
-                run.latencies_ms.append((time.perf_counter() - scheduled) * 1000)
+                run.latencies_ms.append(took_ms)
         except (OSError, TimeoutError, asyncio.IncompleteReadError, ValueError, IndexError) as exc:
             run.errors[type(exc).__name__] += 1
 
@@ -281,7 +307,7 @@ def bench(target: Target, *, submit_rates: list[float], read_rates: list[float],
         return recovered != float("inf")
 
     paths = job_ids(target, 50)
-    best = 0.0
+    best, ok_cpu_ms = 0.0, 0.0
     alive = True
     for rate in read_rates:
         alive = alive and record(asyncio.run(open_loop(target, Run("read", rate, seconds), method="GET", path=paths)))
@@ -289,8 +315,9 @@ def bench(target: Target, *, submit_rates: list[float], read_rates: list[float],
         if not alive:
             break
         run = asyncio.run(open_loop(target, Run("submit", rate, seconds), method="POST", path="/v1/jobs"))
-        if run.server_errors == 0 and not run.errors:
-            best = max(best, run.ok / seconds)  # the peak: the most 2xx/s a run sustained without failures
+        if run.server_errors == 0 and not run.errors and run.ok / seconds > best:
+            best = run.ok / seconds  # the peak: the most 2xx/s a run sustained without failures
+            ok_cpu_ms = run.cpu_ms / max(1, run.ok)
         alive = record(run)
     if not alive:
         return [*lines, "", "The API stopped answering (wedged) — " + "; ".join(notes), ""]
@@ -304,12 +331,49 @@ def bench(target: Target, *, submit_rates: list[float], read_rates: list[float],
         f"Peak submit goodput (no 5xx but 503, no client error): {peak:.0f}/s. Overload at {burst.rate:.0f}/s for "
         f"{burst.seconds:.0f} s: {burst.server_errors} 5xx other than 503, {burst.statuses[503]} shed with 503, "
         f"{sum(burst.errors.values())} client timeouts, goodput {burst.ok / burst.seconds:.0f}/s = "
-        f"{100 * burst.ok / burst.seconds / peak:.0f}% of peak, recovery {recovered:.2f} s.",
+        f"{100 * burst.ok / burst.seconds / peak:.0f}% of peak, recovery {recovered:.2f} s; {burst.answers()}.",
+        f"CPU per 503 refusal (the run's CPU less its 2xx at the peak's {ok_cpu_ms:.2f} ms each, over the 503s): "
+        f"{1000 * (burst.cpu_ms - burst.ok * ok_cpu_ms) / max(1, burst.statuses[503]):.0f} µs.",
         *(f"- {n}" for n in notes),
         "",
     ]
-    print("\n".join(lines[-3:]), flush=True)
-    return lines
+    print("\n".join(lines[-4:]), flush=True)
+    return [*lines, *queue_full(target, rate=burst.rate, seconds=seconds)]
+
+
+# Every class at W = 1, with score thresholds under which these three bodies fall in three classes: after one job of
+# each, every submit is refused by the watermark.
+FULL_ENV = {
+    **{f"VIDQ_WATERMARK_{level}": "1" for level in ("IDLE", "NORMAL", "BUSY", "MIN", "MAX")},
+    "VIDQ_SCORE_HIGH": "0.40",
+    "VIDQ_SCORE_MEDIUM": "0.30",
+}
+BY_CLASS = [
+    {**BODY, "prompt": "a tiny red boat drifts across a misty golden lake, cinematic and dramatic, while birds fly"},
+    BODY,
+    {**BODY, "duration_s": 4.0},
+]
+
+
+def queue_full(target: Target, *, rate: float, seconds: float) -> list[str]:
+    """Submits at ``rate`` while every class is at its watermark: all 429, and the CPU each refusal costs."""
+    target.halt()
+    target.serve(**FULL_ENV)
+    headers = {"Authorization": f"Bearer {target.key}"}
+    with httpx.Client(base_url=target.url, headers=headers, timeout=10) as http:
+        for body in BY_CLASS:  # fill each class (it may be full already): until its first refusal
+            for _ in range(3):
+                if http.post("/v1/jobs", json=body).status_code == 429:
+                    break
+    run = asyncio.run(open_loop(target, Run("queue full", rate, seconds), method="POST", path="/v1/jobs"))
+    refused = run.statuses[429]
+    line = (
+        f"Every class full, submits at {rate:.0f}/s for {seconds:.0f} s: {refused} refused with 429, statuses "
+        f"{dict(sorted(run.statuses.items()))}, {sum(run.errors.values())} client timeouts; {run.answers()}; CPU per "
+        f"429 refusal {1000 * run.cpu_ms / max(1, refused):.0f} µs."
+    )
+    print(line, flush=True)
+    return [line, ""]
 
 
 def main() -> None:

@@ -21,7 +21,8 @@ under /v1/videos):
 
 Health checks, metrics, progress streams (long-lived, they hold no connection) and the operator endpoints (no
 database; wanted most while the API is shedding load) pass through uncounted. A refusal at the door is counted in
-``vidq_api_errors_total`` by code and status; it is not in the latency histogram, which times what went in.
+``vidq_api_refused_at_door_total`` and ``vidq_api_errors_total`` by code; it is not in the latency histogram, which
+times what went in from the moment it had its slot (the wait for one is ``vidq_api_slot_wait_seconds``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from starlette.datastructures import State
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from services.api.error_handlers import OPENAI_PREFIX, error_body, is_openai_path
-from services.api.metrics import ERRORS, INFLIGHT, SHED
+from services.api.metrics import ERRORS, INFLIGHT, REFUSED_AT_DOOR, SHED, SLOT_WAIT_SECONDS
 from shared.infra.config import Settings
 from shared.scheduling.watermark import FleetFull
 
@@ -47,8 +48,8 @@ _SUBMIT_PATHS = frozenset({"/v1/jobs", OPENAI_PREFIX})
 _OVERLOADED = "the API is at capacity; retry after the given seconds"
 _QUEUE_FULL = "every priority class holds as many waiting jobs as its admission watermark allows; submit again later"
 
-_SHED = ERRORS.labels("overloaded", "503")
-_REFUSED_FULL = ERRORS.labels("queue_full", "429")
+_SHED = (ERRORS.labels("overloaded", "503"), REFUSED_AT_DOOR.labels("overloaded"), SHED)
+_FULL = (ERRORS.labels("queue_full", "429"), REFUSED_AT_DOOR.labels("queue_full"))
 
 
 class Door:
@@ -88,14 +89,14 @@ class Door:
             await self.app(scope, receive, send)
             return
         if scope["method"] == "POST" and path in _SUBMIT_PATHS and (full := self._fleet_full(scope)) is not None:
-            _REFUSED_FULL.inc()
+            _count(_FULL)
             await _send(send, _queue_full(full, path == OPENAI_PREFIX))
             return
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.limit)
         if self._slots.locked():  # no free slot: wait in the queue, if it has room
             if self._waiting >= self._queue_bound():
-                self._refused()
+                _count(_SHED)
                 await _send(send, self._busy[is_openai_path(path)])
                 return
             queued = time.monotonic()
@@ -104,12 +105,13 @@ class Door:
                 async with asyncio.timeout(self.queue_timeout_s):
                     await self._slots.acquire()
             except TimeoutError:
-                self._refused()
+                _count(_SHED)
                 details = self._busy_details(time.monotonic() - queued)
                 await _send(send, _response(path, 503, "overloaded", _OVERLOADED, details, self.retry_after_s))
                 return
             finally:
                 self._waiting -= 1
+                SLOT_WAIT_SECONDS.observe(time.monotonic() - queued)
         else:
             await self._slots.acquire()  # a free slot: taken at once
         INFLIGHT.inc()
@@ -147,11 +149,6 @@ class Door:
     def _busy_details(self, waited_s: float) -> dict[str, Any]:
         return {"in_flight": self.limit, "waited_s": round(waited_s, 3)}
 
-    @staticmethod
-    def _refused() -> None:
-        SHED.inc()
-        _SHED.inc()
-
 
 Response = tuple[dict[str, Any], dict[str, Any]]  # the two ASGI messages of a refusal
 
@@ -175,6 +172,11 @@ def _queue_full(full: FleetFull, openai: bool) -> Response:
     details = {"classes": {klass.value: {"backlog": b, "watermark": w} for klass, b, w in full.classes}}
     path = OPENAI_PREFIX if openai else "/v1/jobs"
     return _response(path, 429, "queue_full", _QUEUE_FULL, details, full.retry_after_s)
+
+
+def _count(counters: tuple[Any, ...]) -> None:
+    for counter in counters:
+        counter.inc()
 
 
 async def _send(send: Send, response: Response) -> None:

@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
-from starlette.types import ASGIApp
+from starlette.types import Receive, Scope, Send
 
 from services.api import health
 from services.api.admin import routes as admin
@@ -38,15 +38,15 @@ log = logging.getLogger("vidq.api")
 
 
 class _App(FastAPI):
-    """FastAPI with the door (services/api/admission.py) outside its whole middleware stack: a refusal is answered
-    before FastAPI's own middleware, routing, dependencies or body parsing run."""
+    """FastAPI behind the door (services/api/admission.py): a refusal is answered before anything of FastAPI runs
+    (its telemetry hooks, middleware, routing, dependencies, body parsing)."""
 
     def __init__(self, settings: Settings, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self._door = door_kwargs(settings)
+        self._door = Door(super().__call__, state=self.state, **door_kwargs(settings))
 
-    def build_middleware_stack(self) -> ASGIApp:
-        return Door(super().build_middleware_stack(), state=self.state, **self._door)
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._door(scope, receive, send)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -106,7 +106,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(videos.router)  # OpenAI's videos API over the same jobs
 
     install_error_handlers(app, retry_after_s=settings.api_retry_after_s)
-    app.add_middleware(RequestTiming)  # the latency includes the wait for a slot at the door
+    app.add_middleware(RequestTiming)  # inside the door: from the moment a request has its slot
     # Before the app serves (its middleware stack is built then); None and nothing installed while tracing is off.
     tracing = setup_tracing("vidq-api", settings, app=app)
 

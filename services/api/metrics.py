@@ -14,6 +14,14 @@ RESULT_CACHE_HITS = Counter(
 )
 ERRORS = Counter("vidq_api_errors_total", "Error responses, by stable code and HTTP status", ["code", "status"])
 INFLIGHT = Gauge("vidq_api_inflight_requests", "Requests being handled (admitted)", multiprocess_mode="livesum")
+SLOT_WAIT_SECONDS = Histogram(
+    "vidq_api_slot_wait_seconds",
+    "How long a request waited at the door for a slot (only those that waited; the refused ones too)",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+)
+REFUSED_AT_DOOR = Counter(
+    "vidq_api_refused_at_door_total", "Requests the door answered itself (not in the latency histogram)", ["code"]
+)
 SHED = Counter("vidq_api_shed_total", "Requests refused with 503 because the process was at capacity")
 
 

@@ -203,6 +203,27 @@ return out
 """
 
 
+def backlogs(client: redis.Redis, settings: Settings) -> dict[PriorityClass, int]:
+    """Each class's backlog now, counted as a submit's admission counts it: its waiting messages and the admissions
+    whose message is not out yet."""
+    k = keys(settings)
+    raw: list[Any] = _script(client, _BACKLOGS_LUA)(
+        keys=[*(k.queue(c) for c in PriorityClass), *(k.reservations(c) for c in PriorityClass)],
+        args=[settings.scheduling_reserve_s],
+    )
+    return {c: int(n) for c, n in zip(PriorityClass, raw, strict=True)}
+
+
+_BACKLOGS_LUA = """
+local t = redis.call('TIME')
+local since = '(' .. tostring(tonumber(t[1]) + tonumber(t[2]) / 1e6 - tonumber(ARGV[1]))
+local n = #KEYS / 2
+local out = {}
+for i = 1, n do out[i] = redis.call('LLEN', KEYS[i]) + redis.call('ZCOUNT', KEYS[n + i], since, '+inf') end
+return out
+"""
+
+
 # --- the submit ------------------------------------------------------------------------------------------------------
 
 

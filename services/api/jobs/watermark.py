@@ -5,9 +5,9 @@ The check is one Redis call within ``scheduling_redis_timeout_s``. When it fails
 slow), the submit is admitted without a check and so is every submit of the next ``scheduling_redis_backoff_s``:
 during an outage admission stays open, at the cost of one short try per back-off period, never one per submit.
 
-Each decision is remembered for one scheduling cycle (the period in which the watermark may change): while the
-last decision of every class refused, ``fleet_full`` says so and the API's door (services/api/admission.py) refuses
-new submits before reading them; the first submit after a class's decision has aged out goes in and decides again.
+What the check finds is remembered for one scheduling cycle (the period in which the watermark may change), and so
+is what the stepper sees of every class's backlog each half cycle: while each class is at its watermark,
+``fleet_full`` says so and the API's door (services/api/admission.py) refuses new submits before reading them.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from shared.errors import QueueFull
 from shared.infra.config import Settings
 from shared.infra.redis_clients import async_broker_client, broker_client
 from shared.queues import PriorityClass
-from shared.scheduling.watermark import Decision, FleetFull, Snapshot, admit, step
+from shared.scheduling.watermark import Decision, FleetFull, Snapshot, admit, backlogs, step
 
 log = logging.getLogger("vidq.api.watermark")
 
@@ -64,6 +64,7 @@ class Watermark:
         # Each class's last refusal, while it is recent: (monotonic time it ages out, its decision).
         self._refusals: dict[PriorityClass, tuple[float, Decision]] = {}
         self._fleet_full: FleetFull | None = None  # built from _refusals when every class has one
+        self._fleet_full_until = 0.0  # when the oldest of them ages out
 
     async def check(self, klass: PriorityClass, job_id: uuid.UUID) -> None:
         """Admit the new job ``job_id`` of ``klass`` or raise ``QueueFull`` (429 + Retry-After)."""
@@ -97,7 +98,7 @@ class Watermark:
         full = self._fleet_full
         if full is None:
             return None
-        if min(until for until, _ in self._refusals.values()) <= self._clock():
+        if self._fleet_full_until <= self._clock():
             self._fleet_full = None  # a class's refusal aged out: the next submit of it decides again
             return None
         return full
@@ -115,6 +116,7 @@ class Watermark:
                 classes=tuple((k, d.backlog, d.watermark) for k, d in decisions),
                 retry_after_s=min(d.retry_after_s(self.settings) for _, d in decisions),
             )
+            self._fleet_full_until = min(until for until, _ in self._refusals.values())
 
     def start(self) -> None:
         """Step in the background (also with the check off: the live workers and the service rate it measures are
@@ -132,21 +134,36 @@ class Watermark:
         await self._client.aclose()
         self._stepper_client.close()
 
+    async def refresh(self) -> None:
+        """One turn of the stepper: step (Redis steps once a cycle, whoever asks) and, with the check on, see each
+        class's backlog against its new W. Raises redis errors."""
+        snapshot, seen = await asyncio.to_thread(self._observe)
+        self.last = snapshot
+        _export(snapshot)
+        for klass, backlog in seen.items():
+            level = snapshot.watermarks[klass]
+            self._remember(
+                klass, Decision(admitted=backlog < level, backlog=backlog, watermark=level, rate=snapshot.rate)
+            )
+
+    def _observe(self) -> tuple[Snapshot, dict[PriorityClass, int]]:
+        snapshot = step(self._stepper_client, self.settings)
+        seen = backlogs(self._stepper_client, self.settings) if self.settings.watermark_enabled else {}
+        return snapshot, seen
+
     async def _step_forever(self) -> None:
-        period = max(0.1, self.settings.scheduling_cycle_s / 2)  # Redis steps once a cycle, whoever asks
+        period = max(0.1, self.settings.scheduling_cycle_s / 2)  # twice a cycle: what the door knows stays fresh
         warned = False
         while True:
             await asyncio.sleep(period)
             try:
-                snapshot = await asyncio.to_thread(step, self._stepper_client, self.settings)
+                await self.refresh()
             except (redis.RedisError, OSError) as exc:
                 if not warned:  # once per outage
                     log.warning("watermark stepper: Redis unavailable", extra={"error": repr(exc)[:200]})
                 warned = True
                 continue
             warned = False
-            self.last = snapshot
-            _export(snapshot)
 
 
 def _export(snapshot: Snapshot) -> None:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from functools import lru_cache
 from typing import Any
 
 from starlette.datastructures import State
@@ -74,6 +73,8 @@ class Door:
         self._slots: asyncio.Semaphore | None = None  # made on first use, inside the server's event loop
         self._waiting = 0
         self._held_s = 0.0  # EWMA of the seconds a request holds its slot (0: none measured yet)
+        self._full: FleetFull | None = None  # the last state of a full fleet refused, and its answers
+        self._full_answers: dict[bool, Response] = {}
         self._busy = {
             openai: _response(path, 503, "overloaded", _OVERLOADED, self._busy_details(0.0), retry_after_s)
             for openai, path in ((False, "/v1/jobs"), (True, OPENAI_PREFIX))
@@ -90,7 +91,9 @@ class Door:
             return
         if scope["method"] == "POST" and path in _SUBMIT_PATHS and (full := self._fleet_full(scope)) is not None:
             _count(_FULL)
-            await _send(send, _queue_full(full, path == OPENAI_PREFIX))
+            if full is not self._full:  # a new state of the fleet: encoded once, refused many times
+                self._full, self._full_answers = full, {openai: _queue_full(full, openai) for openai in (False, True)}
+            await _send(send, self._full_answers[path == OPENAI_PREFIX])
             return
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.limit)
@@ -167,7 +170,6 @@ def _response(path: str, status: int, code: str, message: str, details: Any, ret
     }
 
 
-@lru_cache(maxsize=16)  # one state of the fleet is refused many times: encoded once per state and API shape
 def _queue_full(full: FleetFull, openai: bool) -> Response:
     details = {"classes": {klass.value: {"backlog": b, "watermark": w} for klass, b, w in full.classes}}
     path = OPENAI_PREFIX if openai else "/v1/jobs"

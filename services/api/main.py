@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from typing import Any
 
 from shared.infra.config import Settings
 
@@ -21,18 +22,17 @@ def run(settings: Settings, *, host: str, port: int, workers: int, migrate: bool
         from shared.infra.migrate import upgrade
 
         upgrade(settings)
+    served: dict[str, Any] = {
+        "host": host,
+        "port": port,
+        "log_config": None,
+        "access_log": settings.api_access_log,
+        "timeout_graceful_shutdown": 10,
+    }
     if workers == 1:
-        uvicorn.run(create_app(settings), host=host, port=port, log_config=None, timeout_graceful_shutdown=10)
+        uvicorn.run(create_app(settings), **served)
         return
     # Each process writes its metrics to files here; /metrics of any one of them serves the sum. prometheus_client
     # takes its multiprocess mode from this variable, read when it is first imported (in each process).
     os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", tempfile.mkdtemp(prefix="vidq-api-metrics-"))
-    uvicorn.run(
-        "services.api.app:create_app",
-        factory=True,
-        workers=workers,
-        host=host,
-        port=port,
-        log_config=None,
-        timeout_graceful_shutdown=10,
-    )
+    uvicorn.run("services.api.app:create_app", factory=True, workers=workers, **served)

@@ -122,7 +122,8 @@ def _default(column: str) -> Any:
 
 
 class JobStore:
-    """One async pool per API process (built in the lifespan). Every call is one transaction."""
+    """One async pool per API process (built in the lifespan). Every call is one statement, on a connection from
+    ``connection()`` (the statement is its own transaction) or in a ``transaction()`` with others."""
 
     def __init__(self, settings: Settings) -> None:
         conninfo = settings.sqlalchemy_url.replace("postgresql+psycopg://", "postgresql://", 1)
@@ -138,6 +139,9 @@ class JobStore:
             reconnect_timeout=settings.db_pool_reconnect_s,
             open=False,
             kwargs={
+                # A single statement is its own transaction (one round trip); several share one through
+                # ``transaction()`` (BEGIN … COMMIT).
+                "autocommit": True,
                 "connect_timeout": settings.db_connect_timeout_s,
                 "options": f"-c statement_timeout={settings.db_statement_timeout_ms}",
             },
@@ -151,7 +155,14 @@ class JobStore:
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[AsyncConnection[TupleRow]]:
+        """A connection in a transaction, committed at the end of the block (rolled back on an exception)."""
         async with self.pool.connection() as conn, conn.transaction():
+            yield conn
+
+    @asynccontextmanager
+    async def connection(self) -> AsyncIterator[AsyncConnection[TupleRow]]:
+        """A connection for one statement, committed as it runs (no BEGIN or COMMIT round trips)."""
+        async with self.pool.connection() as conn:
             yield conn
 
     async def get(self, conn: AsyncConnection[TupleRow], *, tenant_id: uuid.UUID, job_id: uuid.UUID) -> Job | None:

@@ -1,6 +1,7 @@
 """Submitting and reading jobs: the API's logic, kept out of the route functions.
 
-The hot paths (submit, read, list) run on the async store (services/api/store.py), one transaction each. A job's
+The hot paths (submit, read, list) run on the async store (services/api/store.py): a plain submit is two statements,
+each its own transaction (the result-cache lookup, then the INSERT); reads are one statement. A job's
 row is built in one place, ``job_values``; ``create_job`` inserts the same row through a SQLAlchemy session for
 callers that have one (the sweeper's tests, tools).
 
@@ -117,10 +118,13 @@ async def submit(
     source = await _reusable_source(store, values, stored) if body.cache else None
     queued = admit if source is None else None  # a job served from the result cache never waits
     if idempotency_key is None:
+        if source is not None:
+            async with store.transaction() as conn:
+                return await _insert(store, conn, values, source=source), True
         if queued is not None:
             await queued(PriorityClass(values["priority_class"]), values["id"])
-        async with store.transaction() as conn:
-            return await _insert(store, conn, values, source=source), True
+        async with store.connection() as conn:  # one INSERT: its own transaction
+            return await store.insert(conn, values), True
     fingerprint = body.fingerprint()
     try:
         async with store.transaction() as conn:
@@ -152,7 +156,7 @@ async def submit(
 async def _reusable_source(store: JobStore, values: dict[str, Any], stored: Stored | None) -> ResultSource | None:
     """The tenant's succeeded job with the same result key, if its video is still stored. A video that is gone
     (deleted, expired, a bucket that was reset) or that S3 cannot confirm now means a render, never a broken link."""
-    async with store.transaction() as conn:
+    async with store.connection() as conn:
         source = await store.result_source(conn, tenant_id=values["tenant_id"], result_key=values["result_key"])
     if source is None or stored is None:
         return source
@@ -218,7 +222,7 @@ async def _replay(store: JobStore, *, tenant: Caller, existing: tuple[str, uuid.
 
 
 async def read(store: JobStore, *, tenant_id: uuid.UUID, job_id: uuid.UUID) -> Job:
-    async with store.transaction() as conn:
+    async with store.connection() as conn:
         job = await store.get(conn, tenant_id=tenant_id, job_id=job_id)
     if job is None:  # another tenant's id is indistinguishable from a missing one (404, never 403)
         raise NotFound("job not found")
@@ -230,7 +234,7 @@ async def list_jobs(
 ) -> tuple[list[Job], str | None]:
     """Newest first, ``limit`` a page, with the cursor of the next page (keyset: stable while jobs are added)."""
     after = pagination.decode_cursor(cursor) if cursor is not None else None
-    async with store.transaction() as conn:
+    async with store.connection() as conn:
         rows = await store.page(
             conn, tenant_id=tenant_id, status=status, limit=pagination.read_size(limit), after=after
         )

@@ -368,10 +368,15 @@ def queue_full(target: Target, *, rate: float, seconds: float) -> list[str]:
                     break
     run = asyncio.run(open_loop(target, Run("queue full", rate, seconds), method="POST", path="/v1/jobs"))
     refused = run.statuses[429]
+    per_refusal = (
+        f"CPU per 429 refusal {1000 * run.cpu_ms / refused:.0f} µs"
+        if refused
+        else "no 429: this target has no admission watermark"
+    )
     line = (
         f"Every class full, submits at {rate:.0f}/s for {seconds:.0f} s: {refused} refused with 429, statuses "
-        f"{dict(sorted(run.statuses.items()))}, {sum(run.errors.values())} client timeouts; {run.answers()}; CPU per "
-        f"429 refusal {1000 * run.cpu_ms / max(1, refused):.0f} µs."
+        f"{dict(sorted(run.statuses.items()))}, {sum(run.errors.values())} client timeouts; {run.answers()}; "
+        f"{per_refusal}."
     )
     print(line, flush=True)
     return [line, ""]

@@ -15,8 +15,8 @@ import pytest
 from sqlalchemy import func, select
 
 from shared.infra.db import session_scope
-from shared.infra.redis_clients import broker_client
 from shared.models import IdempotencyKey, Job, JobTransition
+from tests.conftest import _delete_broker_keys
 from tests.integration.helpers import TINY, free_port, wait_job
 from tools.processes import ProcessGroup, vidq_argv, wait_for_log, wait_http
 
@@ -45,9 +45,7 @@ def group(procs: ProcessGroup, settings, request) -> Iterator[ProcessGroup]:
     )
     yield own
     own.stop_all(timeout_s=10)
-    client = broker_client(settings)
-    for key in client.scan_iter(match=f"{prefix}*"):
-        client.delete(key)
+    _delete_broker_keys(str(settings.broker_url), prefix)
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ from services.api.jobs.estimates import Backlog, View
 from shared.infra.redis_clients import broker_client
 from shared.scheduling import costs
 from shared.spec import GenerationSpec
+from tests.conftest import _delete_broker_keys
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -38,9 +39,7 @@ def own(settings):
     prefix = f"{settings.broker_key_prefix}eta-{os.urandom(3).hex()}:"
     mine = settings.model_copy(update={"broker_key_prefix": prefix, "eta_samples": 5})
     yield mine
-    client = broker_client(mine)
-    for key in client.scan_iter(match=f"{prefix}*"):
-        client.delete(key)
+    _delete_broker_keys(str(mine.broker_url), prefix)
 
 
 def test_a_cost_is_the_median_of_the_renders_of_its_shape(own):

@@ -17,6 +17,7 @@ from shared.errors import QueueFull
 from shared.infra.redis_clients import async_broker_client, broker_client
 from shared.queues import PriorityClass
 from shared.scheduling.watermark import Decision, admit, count_done, keys, publish_utilization, step
+from tests.conftest import _delete_broker_keys
 from tests.integration.helpers import free_port
 
 
@@ -37,9 +38,7 @@ def wm(settings):
         }
     )
     yield own
-    client = broker_client(own)
-    for key in client.scan_iter(match=f"{prefix}*"):
-        client.delete(key)
+    _delete_broker_keys(str(own.broker_url), prefix)
 
 
 def test_w_moves_a_quarter_per_cycle_toward_the_target_of_the_utilisation(wm):

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import shlex
 import statistics
 import sys
@@ -29,7 +28,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from benchmarks.realstack import machine, open_loop, real_stack, wait_finished, when
+from benchmarks.realstack import machine, open_loop, real_stack, wait_finished, when, write_report
 
 MIX: list[dict[str, Any]] = [
     {"prompt": "a red fox runs through snow", "width": 64, "height": 64, "duration_s": 1.0, "fps": 8, "steps": 4},
@@ -115,12 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         "start_error": {"p50": pct(start_err, 0.5), "p90": pct(start_err, 0.9), "n": len(start_err)},
         "jobs_detail": rows,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.now(UTC).strftime("%Y%m%d")
-    (args.out / f"eta_replay_{stamp}.json").write_text(json.dumps(report, indent=2) + "\n")
-    md = markdown(report)
-    (args.out / f"eta_replay_{stamp}.md").write_text(md)
-    print(md)
+    write_report(args.out, "eta_replay", report, markdown(report))
     return 0
 
 

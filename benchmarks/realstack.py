@@ -19,7 +19,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -193,3 +193,12 @@ def machine() -> dict[str, str]:
             ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
         ).stdout.strip(),
     }
+
+
+def write_report(out: Path, name: str, report: dict[str, Any], markdown: str) -> None:
+    """``<name>_<date>.json`` (the figures) and ``.md`` (``markdown``) under ``out``; the Markdown is printed too."""
+    out.mkdir(parents=True, exist_ok=True)
+    base = out / f"{name}_{datetime.now(UTC):%Y%m%d}"
+    base.with_suffix(".json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    base.with_suffix(".md").write_text(markdown)
+    print(markdown)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import shlex
 import sys
 import threading
@@ -27,7 +26,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from benchmarks.realstack import Stack, machine, open_loop, real_stack, wait_finished, when
+from benchmarks.realstack import Stack, machine, open_loop, real_stack, wait_finished, when, write_report
 
 BODY = {"prompt": "a red fox runs through snow", "width": 64, "height": 64, "duration_s": 1.0, "fps": 8, "steps": 4}
 CLASSES = ("high", "medium", "low")
@@ -126,12 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_w": {c: max((d[f"w_{c}"] for d in depths), default=0) for c in CLASSES},
         "min_w": {c: min((d[f"w_{c}"] for d in depths), default=0) for c in CLASSES},
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.now(UTC).strftime("%Y%m%d")
-    (args.out / f"watermark_storm_{stamp}.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
-    md = markdown(report)
-    (args.out / f"watermark_storm_{stamp}.md").write_text(md)
-    print(md)
+    write_report(args.out, "watermark_storm", report, markdown(report))
     return 0
 
 

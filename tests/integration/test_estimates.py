@@ -17,8 +17,12 @@ def render_seconds(job: dict) -> float:
 
 def test_a_queued_jobs_quote_lies_within_the_renders_it_was_made_from(client, start_worker, hold):
     start_worker("video")
-    assert submit(client, seed=50)["estimate"] is None  # nothing measured yet: no quote
-    done = [wait_job(client, submit(client, seed=i)["id"], {"succeeded"}) for i in range(3)]
+    first = submit(client, seed=50)
+    assert first["estimate"] is None  # nothing measured yet: no quote
+    ids = [first["id"], *(submit(client, seed=i)["id"] for i in range(3))]
+    done = [wait_job(client, job_id, {"succeeded"}) for job_id in ids]
+    # A quote is the median of whichever of these samples its view had read (refreshes run on their own clock, and
+    # the first render, cold, is often the slowest): the median of any of them lies within the spread of all.
     spread = sorted(render_seconds(j) for j in done)
     assert all(j["estimate"] is None for j in done)  # finished: no quote
 
@@ -30,7 +34,7 @@ def test_a_queued_jobs_quote_lies_within_the_renders_it_was_made_from(client, st
     def quoted() -> dict | None:
         return client.get(f"/v1/jobs/{waiting['id']}").raise_for_status().json()["estimate"]
 
-    def sees_the_held_render() -> bool:  # a view refreshed since the held render started counts it ahead
+    def sees_the_held_render() -> bool:  # admitted here, or read running by a refresh: the held render is ahead
         quote = quoted()
         return quote is not None and quote["work_ahead_s"] > 0
 

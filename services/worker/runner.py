@@ -10,7 +10,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 from celery.exceptions import SoftTimeLimitExceeded
 from opentelemetry import trace
@@ -35,9 +35,6 @@ from shared.messaging.dispatch import after_transition_commit
 from shared.messaging.progress import ProgressPublisher
 from shared.models import Job
 from shared.queues import PriorityClass
-
-if TYPE_CHECKING:  # the render code (torch) is imported where a job renders, not when the task module loads
-    pass
 
 log = logging.getLogger("vidq.worker.runner")
 

@@ -51,15 +51,24 @@ Fps = Annotated[int, Field(ge=1)]
 Steps = Annotated[int, Field(ge=1)]
 GuidanceScale = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 Seed = Annotated[int, Field(ge=0, le=2**32 - 1)]
-# The GPU render's numeric tier. exact: bf16 with kernels that keep the math. fast: 8-bit (until that path is built,
-# a fast job renders as exact; when it is, bump RESULT_KEY_VERSION: the keys of fast jobs made before then name
-# exact renders).
+# The GPU render's numeric tier (shared/render/tiers.py). exact: bf16 with kernels that keep the math. fast: the
+# transformer's matrix products in 8 bits (fp8 where the GPU has it, int8 weights elsewhere).
 Precision = Literal["exact", "fast"]
 PRECISIONS: tuple[Precision, ...] = ("exact", "fast")
 PRECISION_DESCRIPTION = (
-    "the render's numeric tier: 'exact' (bf16 with kernels that keep the math) or 'fast' (8-bit; until that path is "
-    "built, a fast job renders as exact). Null or left out: the worker's default (VIDQ_WORKER_PRECISION, 'exact' "
-    "unless the operator changes it)"
+    "the render's numeric tier: 'exact' (bf16 with kernels that keep the math) or 'fast' (8-bit matrix products in "
+    "the transformer: fp8 on GPUs that have it, int8 weights on others; the result names what ran). Null or left "
+    "out: the worker's default (VIDQ_WORKER_PRECISION, 'exact' unless the operator changes it)"
+)
+# Step caching (shared/render/step_cache.py): "off", or a preset that skips the transformer on some denoising steps
+# and extrapolates its output there instead.
+StepCache = Literal["off", "taylor2", "taylor3"]
+STEP_CACHES: tuple[StepCache, ...] = ("off", "taylor2", "taylor3")
+STEP_CACHE_DESCRIPTION = (
+    "skip the transformer on some denoising steps and predict its output there from the steps computed before "
+    "(first-order Taylor extrapolation): 'off' (the default), 'taylor2' (the transformer runs on every 2nd step after "
+    "the first four, and on the last), 'taylor3' (every 3rd). Faster by about the share of steps skipped; it changes "
+    "the video, and by how much depends on the model's trained weights"
 )
 ALLOW_DEGRADED_DESCRIPTION = (
     "true: when this job's model and shape are failing on the worker (their circuit breaker is open) or the GPU runs "
@@ -68,8 +77,9 @@ ALLOW_DEGRADED_DESCRIPTION = (
     "such a job fails with model_unavailable or out_of_memory"
 )
 
-# Part of every result key (GenerationSpec.result_key): bumping it retires every stored key at once.
-RESULT_KEY_VERSION = 1
+# Part of every result key (GenerationSpec.result_key): bumping it retires every stored key at once. 2: the fast tier
+# renders in 8 bits (under 1, a fast job was rendered as exact, so its stored key names an exact video).
+RESULT_KEY_VERSION = 2
 
 
 def parse_shape(text: str) -> tuple[int, int, int]:
@@ -91,7 +101,7 @@ def frames_for(duration_s: float, fps: int) -> int:
 
 
 # The fields a batch's videos share (``GenerationSpec.batch_key``).
-BATCH_FIELDS = ("model", "precision", "num_frames", "height", "width", "steps", "guidance_scale")
+BATCH_FIELDS = ("model", "precision", "step_cache", "num_frames", "height", "width", "steps", "guidance_scale")
 
 
 class GenerationSpec(BaseModel):
@@ -117,18 +127,19 @@ class GenerationSpec(BaseModel):
     seed: Seed
     precision: Precision | None = Field(default=None, description=PRECISION_DESCRIPTION)
     allow_degraded: bool = Field(default=False, description=ALLOW_DEGRADED_DESCRIPTION)
+    step_cache: StepCache = Field(default="off", description=STEP_CACHE_DESCRIPTION)
 
     def to_dict(self) -> dict[str, Any]:
         """The stored form (``jobs.spec``, JSON): every field, except an optional one (one with a default) at its
-        default (a job that names no precision, or does not allow degrading, is stored, and keyed, as before the
-        field existed)."""
+        default (a job that names no precision, does not allow degrading or uses no step cache is stored, and keyed,
+        as before the field existed)."""
         fields = type(self).model_fields.items()
         unset = {name for name, field in fields if not field.is_required() and getattr(self, name) == field.default}
         return self.model_dump(mode="json", exclude=unset)
 
     def batch_key(self) -> dict[str, Any]:
-        """What videos must share to render in one batch: the model, the precision tier asked for, the shape, the
-        steps and the guidance (prompts, negative prompts and seeds may differ)."""
+        """What videos must share to render in one batch: the model, the precision tier asked for, the step cache, the
+        shape, the steps and the guidance (prompts, negative prompts and seeds may differ)."""
         return {name: getattr(self, name) for name in BATCH_FIELDS}
 
     def result_key(self) -> str:
@@ -142,6 +153,7 @@ class GenerationSpec(BaseModel):
         without anyone remembering to add it; an optional one is in it only when set (``to_dict`` leaves it out at
         its default), so keys made before it existed still match. A job that names no precision is keyed without
         one, so it may reuse a video rendered in whichever tier was the workers' default when that video was made.
+        ``step_cache`` is in the key when set: a step-cached video is another video.
         ``allow_degraded`` is in the key when true: such a job may be rendered at a lower tier, so its video never
         serves a job that did not allow that (and a degraded result is never reused at all: the worker clears its
         key, services/worker/runner.py).

@@ -39,6 +39,7 @@ from sqlalchemy.orm import Session
 from shared.jobs.states import claim
 from shared.models import Job
 from shared.queues import PriorityClass
+from shared.spec import GenerationSpec
 
 # The per-class lock key space: pg_advisory_xact_lock(hashtext('vidq.fair.<class>')).
 _LOCK = text("SELECT pg_advisory_xact_lock(hashtext('vidq.fair.' || :klass))")
@@ -145,12 +146,13 @@ def claim_next(
 
 
 # Queued jobs of the class that can share a batch with one already claimed (their spec contains the batch's key
-# fields), oldest first; only those whose message is out, as for a turn.
+# fields, and lacks those the key has at their stored default), oldest first; only those whose message is out, as
+# for a turn.
 _RIDERS = text(
     """
     SELECT j.id, j.tenant_id FROM jobs j
     WHERE j.status = 'queued' AND j.priority_class = :klass AND j.spec @> CAST(:key AS jsonb)
-      AND (j.spec -> 'precision' IS NOT NULL) = :names_precision
+      AND NOT jsonb_exists_any(j.spec, CAST(:absent AS text[]))
       AND NOT j.cancel_requested AND j.attempt < j.max_attempts AND j.enqueued_at IS NOT NULL
     ORDER BY j.created_at, j.id
     LIMIT :n
@@ -174,8 +176,11 @@ def claim_riders(
     if limit <= 0:
         return []
     session.execute(_LOCK, {"klass": klass.value})
-    present = {name: value for name, value in key.items() if value is not None}  # as jobs.spec stores it
-    params = {"klass": klass.value, "key": json.dumps(present), "names_precision": "precision" in present, "n": limit}
+    # As jobs.spec stores it: an optional field at its default is left out (a job that names no precision, uses no
+    # step cache), so the key's such fields must be absent from a rider's spec.
+    absent = [name for name, value in key.items() if _at_stored_default(name, value)]
+    present = {name: value for name, value in key.items() if name not in absent}
+    params = {"klass": klass.value, "key": json.dumps(present), "absent": absent, "n": limit}
     rows = session.execute(_RIDERS, params).all()
     claimed = []
     for row in rows:
@@ -184,3 +189,9 @@ def claim_riders(
             charge(session, klass, row.tenant_id, weights=weights, moves_clock=False)  # a turn of its own
             claimed.append(job)
     return claimed
+
+
+def _at_stored_default(name: str, value: object) -> bool:
+    """Whether a batch key's field ``name`` is an optional field of the spec at its default (not stored)."""
+    field = GenerationSpec.model_fields[name]
+    return not field.is_required() and value == field.default

@@ -23,6 +23,8 @@ from shared.spec import (
     ALLOW_DEGRADED_DESCRIPTION,
     PRECISION_DESCRIPTION,
     PRECISIONS,
+    STEP_CACHE_DESCRIPTION,
+    STEP_CACHES,
     Dimension,
     Fps,
     GenerationSpec,
@@ -30,6 +32,7 @@ from shared.spec import (
     Precision,
     Prompt,
     Seed,
+    StepCache,
     Steps,
     Text,
     frames_for,
@@ -70,6 +73,7 @@ class JobCreate(BaseModel):
     model: str | None = None
     precision: Precision | None = Field(default=None, description=PRECISION_DESCRIPTION)
     allow_degraded: bool = Field(default=False, description=ALLOW_DEGRADED_DESCRIPTION)
+    step_cache: StepCache = Field(default="off", description=STEP_CACHE_DESCRIPTION)
     webhook_url: str | None = None
     metadata: dict[str, MetadataValue] = Field(default_factory=dict)
     cache: bool = Field(
@@ -96,6 +100,14 @@ class JobCreate(BaseModel):
         if v is not None and v not in PRECISIONS:  # checked before the type, for a message that names the field
             allowed = " or ".join(repr(p) for p in PRECISIONS)
             raise ValueError(f"precision must be {allowed}, or left out for the worker's default")
+        return v
+
+    @field_validator("step_cache", mode="before")
+    @classmethod
+    def _step_cache(cls, v: object) -> object:
+        if v not in STEP_CACHES:  # checked before the type, for a message that names the choices
+            allowed = ", ".join(repr(name) for name in STEP_CACHES)
+            raise ValueError(f"step_cache must be one of {allowed}")
         return v
 
     @field_validator("webhook_url")
@@ -128,6 +140,7 @@ class JobCreate(BaseModel):
             seed=self.seed if self.seed is not None else secrets.randbelow(2**32),
             precision=self.precision,
             allow_degraded=self.allow_degraded,
+            step_cache=self.step_cache,
         )
 
     def size(self) -> tuple[int, int]:
@@ -202,14 +215,16 @@ class JobCreate(BaseModel):
 
     def fingerprint(self) -> str:
         """What makes two submissions 'the same request' for Idempotency-Key (the body as sent, canonical).
-        ``cache``, ``precision`` and ``allow_degraded`` are part of the body (``cache: false``, a precision named,
-        ``allow_degraded: true`` is another request), but left out at their defaults so that keys stored before the
-        fields existed still match their retries."""
+        ``cache``, ``precision``, ``allow_degraded`` and ``step_cache`` are part of the body (``cache: false``, a
+        precision named, ``allow_degraded: true``, a step cache is another request), but left out at their defaults
+        so that keys stored before the fields existed still match their retries."""
         unchanged = {"cache"} if self.cache else set()
         if self.precision is None:
             unchanged.add("precision")
         if not self.allow_degraded:
             unchanged.add("allow_degraded")
+        if self.step_cache == "off":
+            unchanged.add("step_cache")
         body = self.model_dump(mode="json", exclude_none=False, exclude=unchanged)
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 

@@ -5,11 +5,13 @@
 separate, timed stages, so a worker can report real step progress, stop a cancelled job between steps and
 reuse cached prompt embeddings. It renders under a precision tier's policy (shared/render/tiers.py): built with
 ``eager_policy()`` it is a plain diffusers call, bit for bit; under ``exact`` its transformer blocks are compiled,
-q/k/v fused and both guidance passes batched.
+q/k/v fused and both guidance passes batched; under ``fast`` the blocks' Linear layers are 8-bit too. A job's step
+cache (shared/render/step_cache.py) skips the transformer on some steps of its own denoising loop.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import time
@@ -26,6 +28,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from shared.render.attention import FLASH_ATTENTION_4, SDPA_PREFERENCE, flash4_unavailable, use_flash4
 from shared.render.precision import dtype_name
+from shared.render.quantize import EIGHT_BIT, linear_layers, quantize_linears, resolve
+from shared.render.step_cache import StepPredictor, preset
 from shared.render.text import (
     MAX_SEQUENCE_LENGTH,
     EncoderIdentity,
@@ -34,7 +38,14 @@ from shared.render.text import (
     pipeline_text_encoder,
     texts_of,
 )
-from shared.render.tiers import RenderedPrecision, TierPolicy, applied_table, eager_policy
+from shared.render.tiers import (
+    RenderedPrecision,
+    TierPolicy,
+    applied_table,
+    eager_policy,
+    is_eight_bit,
+    tensor_format,
+)
 from shared.render.vae import compile_decoder
 from shared.spec import GenerationSpec
 
@@ -98,6 +109,7 @@ class VideoPipeline:
         self.encoder = pipeline_text_encoder(pipe, self.identity)  # None: built without one (remote text encoding)
         self.policy = policy or eager_policy()
         self.flash4 = False  # the transformer's attention runs on FlashAttention 4 (else on SDPA)
+        self.linear: tuple[dict[str, Any], ...] = ()  # the 8-bit layers: what the table asked, what runs, how many
         self._apply_policy()
         # (tokens per sample, batch) the transformer has run: compiled blocks compile for another one first (logged).
         self.rendered_shapes: set[tuple[int, int]] = set()
@@ -111,6 +123,8 @@ class VideoPipeline:
             for module in transformer.modules():
                 if hasattr(module, "fuse_projections"):
                     module.fuse_projections()
+        if policy.eight_bit and transformer is not None:  # after the fusing: the fused projections are 8-bit too
+            self.linear = self._quantize(transformer)
         if FLASH_ATTENTION_4 in policy.attention and transformer is not None:
             head_dim = transformer.config.attention_head_dim
             reason = flash4_unavailable(self.device, head_dim=head_dim, dtype=self.dtype)
@@ -128,6 +142,29 @@ class VideoPipeline:
         if policy.compile_vae:
             _raise_recompile_limit()
             compile_decoder(self.pipe.vae)
+
+    def _quantize(self, transformer: torch.nn.Module) -> tuple[dict[str, Any], ...]:
+        """The transformer's Linear layers that the tier's table gives an 8-bit format, in the format that runs on
+        this device (shared/render/quantize.py): what each asked format became, and for how many layers."""
+        asked = {  # each layer's row of the table, its format's name as written there ("linear8": the policy's)
+            name: tensor_format(self.policy.name, f"transformer.{name}.weight", compute="compute", vae="vae")
+            for name, _ in linear_layers(transformer)
+        }
+        asked = {name: self.policy.eight_bit if fmt == EIGHT_BIT else fmt for name, fmt in asked.items()}
+        resolved = {fmt: resolve(fmt, self.device) for fmt in sorted(set(asked.values())) if is_eight_bit(fmt)}
+        runs = {name: resolved[fmt].runs for name, fmt in asked.items() if fmt in resolved}
+        quantize_linears(transformer, runs)
+        records = []
+        for fmt, outcome in resolved.items():
+            record: dict[str, Any] = {
+                "asked": fmt,
+                "runs": outcome.runs,
+                "layers": sum(1 for name in runs if asked[name] == fmt),
+            }
+            if outcome.reason:
+                record["reason"] = outcome.reason
+            records.append(record)
+        return tuple(records)
 
     def encode_texts(self, texts: list[str]) -> list[torch.Tensor]:
         """Encode with the pipeline's own text encoder, one text at a time as ``encode_prompt`` does."""
@@ -156,6 +193,7 @@ class VideoPipeline:
         from_on_step: list[BaseException] = []  # tells on_step's own errors apart from the model's
         timings: dict[str, float] = {}
         kept: list[torch.Tensor] = []
+        cached: dict[str, Any] = {}
         with self._device_render(from_on_step):
             frames = self._render(
                 spec,
@@ -163,6 +201,7 @@ class VideoPipeline:
                 on_step=on_step,
                 from_on_step=from_on_step,
                 timings=timings,
+                cached=cached,
                 scope=stage_scope or _no_scope,
                 kept=kept if keep_latents else None,
             )
@@ -172,7 +211,7 @@ class VideoPipeline:
             peak_vram_bytes=self._peak_vram(),
             device=str(self.device),
             dtype=dtype_name(self.dtype),
-            precision=self.rendered_precision(),
+            precision=self.rendered_precision(step_cache=cached),
             latents=kept[0] if kept else None,
         )
 
@@ -197,6 +236,7 @@ class VideoPipeline:
             raise ValueError(f"{self.model} denoises with diffusers' own loop: it renders one video at a time")
         dropped: dict[int, Exception] = {}  # a member's callback's own errors never leave _render_many
         timings: dict[str, float] = {}
+        cached: dict[str, Any] = {}
         with self._device_render([]):
             frames, decode_s = self._render_many(
                 specs,
@@ -204,6 +244,7 @@ class VideoPipeline:
                 on_steps=on_steps,
                 dropped=dropped,
                 timings=timings,
+                cached=cached,
                 scope=stage_scope or _no_scope,
             )
         peak = self._peak_vram()
@@ -222,7 +263,7 @@ class VideoPipeline:
                     peak_vram_bytes=peak,
                     device=str(self.device),
                     dtype=dtype_name(self.dtype),
-                    precision=self.rendered_precision(),
+                    precision=self.rendered_precision(step_cache=cached),
                 )
             )
         return results
@@ -235,6 +276,7 @@ class VideoPipeline:
         on_steps: list[StepCallback],
         dropped: dict[int, Exception],
         timings: dict[str, float],
+        cached: dict[str, Any],
         scope: StageScope,
     ) -> tuple[list[np.ndarray | None], list[float]]:
         with self._kernels():
@@ -259,7 +301,7 @@ class VideoPipeline:
 
             with scope("denoise"):
                 self._note_shape(specs[0], guided=negative_embeds is not None, members=len(specs))
-                latents = self._denoise_many(specs, prompt_embeds, negative_embeds, after_step)
+                latents = self._denoise_many(specs, prompt_embeds, negative_embeds, after_step, cached)
                 timings["denoise"], stage = self._lap(stage)
             timings["total_shared"] = stage - started
 
@@ -311,16 +353,20 @@ class VideoPipeline:
         with torch.inference_mode(), sdpa_kernel(backends, set_priority=True):
             yield
 
-    def rendered_precision(self) -> RenderedPrecision:
-        """What a result says about this pipeline's numbers (the job's request is added by the caller)."""
+    def rendered_precision(self, *, step_cache: dict[str, Any] | None = None) -> RenderedPrecision:
+        """What a result says about this pipeline's numbers (the job's request is added by the caller), and about a
+        render's step cache (``StepPredictor.record``)."""
         compute, vae = dtype_name(self.dtype), self.policy.vae_dtype
+        ran = {record["asked"]: record["runs"] for record in self.linear}
         return RenderedPrecision(
             requested=None,
             tier=self.policy.name,
             policy=self.policy.describe(),
             compute_dtype=compute,
             attention=self.attention,
-            modules=applied_table(self.policy.name, compute=compute, vae=vae),
+            modules=applied_table(self.policy.name, compute=compute, vae=vae, ran=ran),
+            linear=self.linear,
+            step_cache=step_cache or None,
         )
 
     def _render(
@@ -331,6 +377,7 @@ class VideoPipeline:
         on_step: StepCallback | None,
         from_on_step: list[BaseException],
         timings: dict[str, float],
+        cached: dict[str, Any],
         scope: StageScope,
         kept: list[torch.Tensor] | None = None,
     ) -> np.ndarray:
@@ -344,7 +391,7 @@ class VideoPipeline:
 
             # 2. Denoise in latent space, reporting each step.
             with scope("denoise"):
-                latents = self._denoise(spec, prompt_embeds, negative_embeds, on_step, from_on_step)
+                latents = self._denoise(spec, prompt_embeds, negative_embeds, on_step, from_on_step, cached)
                 timings["denoise"], stage = self._lap(stage)
                 if kept is not None:
                     kept.append(latents)
@@ -372,8 +419,13 @@ class VideoPipeline:
         negative_embeds: torch.Tensor | None,
         on_step: StepCallback | None,
         from_on_step: list[BaseException],
+        cached: dict[str, Any],
     ) -> torch.Tensor:
-        self._note_shape(spec, guided=negative_embeds is not None)
+        """The denoised latents: vidq's loop where the model denoises as Wan 2.1 does and either the policy batches
+        the guidance passes or the job has a step cache; else diffusers' own loop (``cached`` then says the step
+        cache did not run, and why)."""
+        own_loop = _plain_wan_loop(self.pipe)
+        self._note_shape(spec, guided=negative_embeds is not None, two_passes=not self.policy.cfg_batch)
 
         def report(done: int, total: int) -> None:
             if on_step is not None:
@@ -383,15 +435,24 @@ class VideoPipeline:
                     from_on_step.append(exc)  # tells on_step's own errors apart from the model's
                     raise
 
-        if self.policy.cfg_batch and _plain_wan_loop(self.pipe):
-            return self._denoise_batched(spec, prompt_embeds, negative_embeds, report)
+        if own_loop and (self.policy.cfg_batch or spec.step_cache != "off"):
+
+            def after_step(done: int, total: int) -> bool:
+                report(done, total)
+                return True
+
+            return self._denoise_many([spec], prompt_embeds, negative_embeds, after_step, cached)
+        if spec.step_cache != "off":
+            reason = "this model denoises in diffusers' own loop"
+            cached |= {"preset": "off", "asked": spec.step_cache, "reason": reason}
         return self._denoise_plain(spec, prompt_embeds, negative_embeds, report)
 
-    def _note_shape(self, spec: GenerationSpec, *, guided: bool, members: int = 1) -> None:
-        """Record the self-attention's kernel for this shape; log a compile for a shape the blocks have not run."""
+    def _note_shape(self, spec: GenerationSpec, *, guided: bool, members: int = 1, two_passes: bool = False) -> None:
+        """Record the self-attention's kernel for this shape; log a compile for a shape the blocks have not run.
+        ``two_passes``: a single video's guidance passes run one after the other (not as a batch of two)."""
         config = self.pipe.transformer.config
         tokens = tokens_per_sample(self.pipe, spec.height, spec.width, spec.num_frames)
-        batch = members * (2 if guided and (self.policy.cfg_batch or members > 1) else 1)
+        batch = members * (2 if guided and not (members == 1 and two_passes) else 1)
         if self.flash4:
             self._attention_by_shape[tokens, batch] = FLASH_ATTENTION_4
         elif (tokens, batch) not in self._attention_by_shape:
@@ -411,42 +472,31 @@ class VideoPipeline:
                 )
             self.rendered_shapes.add((tokens, batch))
 
-    def _denoise_batched(
-        self,
-        spec: GenerationSpec,
-        prompt_embeds: torch.Tensor,
-        negative_embeds: torch.Tensor | None,
-        report: StepCallback,
-    ) -> torch.Tensor:
-        """WanPipeline's denoising loop with classifier-free guidance's two passes as one batch of two: the same
-        latents, timesteps, scheduler and guidance formula; each sample's math is unchanged, the transformer runs
-        once per step on twice the rows (fuller GEMMs, half the launches)."""
-
-        def after_step(done: int, total: int) -> bool:
-            report(done, total)
-            return True
-
-        return self._denoise_many([spec], prompt_embeds, negative_embeds, after_step)
-
     def _denoise_many(
         self,
         specs: list[GenerationSpec],
         prompt_embeds: torch.Tensor,
         negative_embeds: torch.Tensor | None,
         after_step: Callable[[int, int], bool],
+        cached: dict[str, Any],
     ) -> torch.Tensor:
-        """The loop of ``_denoise_batched`` for one or more videos alike but for their prompts and seeds: every
-        member's latents and both guidance passes in one batch. ``after_step(done, total)`` False ends the loop."""
+        """WanPipeline's denoising loop for one or more videos alike but for their prompts and seeds: the same
+        latents, timesteps, scheduler and guidance formula; every member's latents and both guidance passes in one
+        batch (fuller GEMMs, half the launches; each sample's math unchanged), except a single video under a policy
+        that keeps the passes apart (``cfg_batch`` off). ``after_step(done, total)`` False ends the loop. The specs'
+        step cache (they share it: ``GenerationSpec.batch_key``) skips the transformer on the steps its preset
+        skips; ``cached`` receives what it did."""
         pipe, spec = self.pipe, specs[0]
         transformer = pipe.transformer
         guided = negative_embeds is not None and spec.guidance_scale > 1.0
+        split = guided and len(specs) == 1 and not self.policy.cfg_batch
         text = torch.cat([negative_embeds, prompt_embeds]) if guided and negative_embeds is not None else prompt_embeds
         text = text.to(transformer.dtype)
         pipe.scheduler.set_timesteps(spec.steps, device=self.device)
         timesteps = pipe.scheduler.timesteps
         # Drawn exactly as WanPipeline draws them, one generator per video: a seed gives the same noise as a plain
         # diffusers call of that video alone.
-        noise = [
+        draws = [
             pipe.prepare_latents(
                 1,
                 transformer.config.in_channels,
@@ -460,25 +510,37 @@ class VideoPipeline:
             )
             for member in specs
         ]
-        latents = noise[0] if len(noise) == 1 else torch.cat(noise)
-        del noise
+        latents = draws[0] if len(draws) == 1 else torch.cat(draws)
+        del draws
         pipe.scheduler.set_begin_index(0)
-        for index, t in enumerate(timesteps):
-            model_input = latents.to(transformer.dtype)
-            if guided:
-                model_input = torch.cat([model_input, model_input])
-            noise = transformer(
-                hidden_states=model_input,
-                timestep=t.expand(model_input.shape[0]),
-                encoder_hidden_states=text,
+        predictor = StepPredictor(preset(spec.step_cache), len(timesteps))
+
+        def run(rows: torch.Tensor, timestep: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = transformer(
+                hidden_states=rows,
+                timestep=timestep.expand(rows.shape[0]),
+                encoder_hidden_states=embeds,
                 return_dict=False,
             )[0]
-            if guided:
-                uncond, cond = noise.chunk(2)
-                noise = uncond + spec.guidance_scale * (cond - uncond)
+            return out
+
+        def guided_noise(t: torch.Tensor) -> torch.Tensor:
+            model_input = latents.to(transformer.dtype)
+            if not guided:
+                return run(model_input, t, text)
+            if split:
+                uncond, cond = run(model_input, t, text[:1]), run(model_input, t, text[1:])
+            else:
+                uncond, cond = run(torch.cat([model_input, model_input]), t, text).chunk(2)
+            return uncond + spec.guidance_scale * (cond - uncond)
+
+        for index, t in enumerate(timesteps):
+            noise = predictor.output(index, float(t), functools.partial(guided_noise, t))
             latents = pipe.scheduler.step(noise, t, latents, return_dict=False)[0]
             if not after_step(index + 1, len(timesteps)):
                 break
+        if spec.step_cache != "off":
+            cached |= predictor.record()
         denoised: torch.Tensor = latents
         return denoised
 

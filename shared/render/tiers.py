@@ -9,38 +9,71 @@ A job names a tier (``precision`` on the request; the worker's ``VIDQ_WORKER_PRE
   preference (shared/render/attention.py; the kernel that ran is recorded), the VAE decoding in bf16 with its
   decoder compiled. None of it changes what is computed, only how; the rounding differs from a plain eager call by
   the amounts the GPU benchmark records (PSNR of frames, largest latent difference).
-* ``fast`` — accepted today and rendered as ``exact``; the job's result says so.
+* ``fast`` — ``exact`` with the transformer blocks' matrix products in 8 bits (shared/render/quantize.py): on GPUs
+  with fp8 tensor cores (compute capability 8.9 and newer) fp8 with one scale per row of weights and of activations;
+  on other GPUs and the CPU int8 weights (the GPU decides, not the job; the result says which ran). The ends of the
+  network stay in the compute dtype: the patch embedding (the input), the condition embedder (the timestep and the
+  prompt, which reach every token) and the output projection, and the cross-attention's keys and values (computed
+  over the prompt's 512 rows only: nothing to gain). The attention runs on an 8-bit kernel where one is installed and
+  measured faster than the bf16 kernels at an acceptable drift; none is yet on Hopper (shared/render/attention.py),
+  so it runs as in ``exact``. Its drift against a plain bf16 call is in the GPU benchmark's results.
 
 ``TierPolicy`` holds the levers; ``MODULE_TABLE`` says, per weight of a Wan pipeline, which number format its
 weights and compute use under a tier (first matching pattern wins). A render's result names the tier that ran, the
-levers, the table and the attention kernel (``RenderedPrecision``).
+levers, the table as it ran on that device, the attention kernel and the step cache (``RenderedPrecision``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from fnmatch import fnmatchcase
+from types import MappingProxyType
 from typing import Any
 
 import torch
 
 from shared.render.attention import FLASH_ATTENTION_4, SDPA_PREFERENCE
+from shared.render.quantize import EIGHT_BIT
 from shared.spec import PRECISIONS, Precision
 
 # The tiers this build renders; a requested tier not in here renders as the first one, and the result says so.
-BUILT: tuple[Precision, ...] = ("exact",)
+BUILT: tuple[Precision, ...] = ("exact", "fast")
+
+# Kept in float32 whatever the tier, as the model's own code asks (its norms, rotary tables and timestep embedding;
+# compiled, they fuse into the bf16 kernels around them and cost no extra memory traffic).
+_FP32 = (
+    ("transformer.rope.*", "fp32"),
+    ("transformer.condition_embedder.time_embedder.*", "fp32"),
+    ("transformer.scale_shift_table", "fp32"),
+    ("transformer.blocks.*.scale_shift_table", "fp32"),
+    ("transformer.blocks.*.norm[123].*", "fp32"),
+)
 
 # Per weight (its dotted name in the pipeline, glob patterns, first match wins): the number format under each tier.
-# "compute" is the tier's compute dtype (bf16 on CUDA, float32 on the CPU); "fp32" is kept in float32 whatever the
-# tier, as the model's own code asks (its norms, rotary tables and timestep embedding; compiled, they fuse into the
-# bf16 kernels around them and cost no extra memory traffic).
+# "compute" is the tier's compute dtype (bf16 on CUDA, float32 on the CPU); "fp32" is kept in float32 (``_FP32``);
+# "linear8" is the device's 8-bit format for a Linear layer's weight (shared/render/quantize.py: fp8 rowwise where
+# the GPU has fp8, else int8 weight-only), its bias staying in the compute dtype.
 MODULE_TABLE: dict[Precision, tuple[tuple[str, str], ...]] = {
     "exact": (
-        ("transformer.rope.*", "fp32"),
-        ("transformer.condition_embedder.time_embedder.*", "fp32"),
-        ("transformer.scale_shift_table", "fp32"),
-        ("transformer.blocks.*.scale_shift_table", "fp32"),
-        ("transformer.blocks.*.norm[123].*", "fp32"),
+        *_FP32,
+        ("transformer.*", "compute"),
+        ("text_encoder.*", "compute"),
+        ("vae.*", "vae"),
+    ),
+    "fast": (
+        *_FP32,
+        # The network's ends and its conditioning: an error there reaches every token.
+        ("transformer.patch_embedding.*", "compute"),
+        ("transformer.condition_embedder.*", "compute"),
+        ("transformer.proj_out.*", "compute"),
+        # The cross-attention's keys and values: over the prompt's 512 rows, too few to gain from 8 bits.
+        ("transformer.blocks.*.attn2.to_k.*", "compute"),
+        ("transformer.blocks.*.attn2.to_v.*", "compute"),
+        ("transformer.blocks.*.attn2.to_kv.*", "compute"),
+        # The blocks' projections (q/k/v fused or not, the output) and feed-forward layers: nearly all the GEMM work.
+        ("transformer.blocks.*.attn[12].to_*.weight", EIGHT_BIT),
+        ("transformer.blocks.*.ffn.net.*.weight", EIGHT_BIT),
         ("transformer.*", "compute"),
         ("text_encoder.*", "compute"),
         ("vae.*", "vae"),
@@ -65,6 +98,9 @@ class TierPolicy:
     compile_vae: bool = False  # torch.compile the VAE's decoder (its norms, activations, pads and caches fused)
     conv_autotune: bool = False  # cuDNN times its convolution algorithms once per shape and keeps the fastest (VAE)
     attention: tuple[str, ...] = SDPA_PREFERENCE  # kernels by preference (ATTENTION_PREFERENCE's names)
+    # What the table's "linear8" layers run as: "linear8" (the device's 8-bit format), a format's name
+    # (shared/render/quantize.py FORMATS; benchmarks compare them on one GPU), or "" (the compute dtype).
+    eight_bit: str = ""
 
     def describe(self) -> dict[str, Any]:
         return asdict(self)
@@ -104,6 +140,7 @@ def policy_for(
         # Off: on an H200 the autotuner's choice decoded no faster than cuDNN's heuristics (0.705 s against 0.704 at
         # 480×832×33), and its timing runs again on every new thread.
         conv_autotune=False,
+        eight_bit=EIGHT_BIT if tier == "fast" else "",
     )
 
 
@@ -122,10 +159,13 @@ def resolve_tier(requested: Precision | None, default: Precision) -> tuple[Preci
     return BUILT[0], f"{wanted!r} is not available yet; rendered as {BUILT[0]!r}"
 
 
-def tensor_format(tier: Precision, name: str, *, compute: str, vae: str) -> str:
+def tensor_format(
+    tier: Precision, name: str, *, compute: str, vae: str, ran: Mapping[str, str] = MappingProxyType({})
+) -> str:
     """The number format of the weight ``name`` (dotted, in the pipeline: ``transformer.blocks.3.attn1.to_q.weight``)
-    under ``tier``: the first matching row of ``MODULE_TABLE``; ``compute``/``vae`` name the dtypes in use."""
-    for pattern, fmt in applied_table(tier, compute=compute, vae=vae):
+    under ``tier``: the first matching row of ``MODULE_TABLE``, with the formats in use filled in (``applied_table``);
+    with no ``ran``, an 8-bit row gives the format the table asks for."""
+    for pattern, fmt in applied_table(tier, compute=compute, vae=vae, ran=ran):
         if fnmatchcase(name, pattern):
             return fmt
     raise LookupError(f"no row of the {tier!r} table covers {name!r}")
@@ -139,21 +179,44 @@ class RenderedPrecision:
     tier: Precision  # what rendered it
     policy: dict[str, Any]  # the levers (TierPolicy.describe())
     compute_dtype: str
-    attention: str  # the SDPA backend that ran the self-attention, e.g. "CUDNN_ATTENTION"
+    attention: str  # the kernel that ran the self-attention, e.g. "FLASH_ATTENTION_4", "CUDNN_ATTENTION"
     note: str | None = None  # why ``tier`` differs from what was asked
-    modules: tuple[tuple[str, str], ...] = field(default=())  # the tier's table, as applied
+    modules: tuple[tuple[str, str], ...] = field(default=())  # the tier's table, as applied on this device
+    # Per 8-bit format the table asks for: {"asked", "runs", "layers", "reason"?} (empty: the tier has none).
+    linear: tuple[dict[str, Any], ...] = ()
+    # The step cache: {"preset", "computed_steps", "steps"} (None: not recorded, e.g. a pipeline's description).
+    step_cache: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         record = asdict(self)
         record["modules"] = [list(row) for row in self.modules]
-        if self.note is None:
-            del record["note"]
+        record["linear"] = list(self.linear)
+        for optional in ("note", "linear", "step_cache"):
+            if not record[optional]:
+                del record[optional]
         return record
 
     def with_request(self, requested: Precision | None, note: str | None) -> RenderedPrecision:
         return replace(self, requested=requested, note=note)
 
 
-def applied_table(tier: Precision, *, compute: str, vae: str) -> tuple[tuple[str, str], ...]:
-    """``MODULE_TABLE[tier]`` with the dtypes in use filled in (what the result shows)."""
-    return tuple((pattern, {"compute": compute, "vae": vae}.get(fmt, fmt)) for pattern, fmt in MODULE_TABLE[tier])
+def applied_table(
+    tier: Precision, *, compute: str, vae: str, ran: Mapping[str, str] = MappingProxyType({})
+) -> tuple[tuple[str, str], ...]:
+    """``MODULE_TABLE[tier]`` with the formats in use filled in (what the result shows): ``compute`` and ``vae``
+    name the dtypes, ``ran`` maps each 8-bit format the table asks for to what it ran as on this device ("compute"
+    when it fell back to the compute dtype)."""
+    names = {
+        "compute": compute,
+        "vae": vae,
+        **{asked: compute if runs == "compute" else runs for asked, runs in ran.items()},
+    }
+    return tuple((pattern, names.get(fmt, fmt)) for pattern, fmt in MODULE_TABLE[tier])
+
+
+def is_eight_bit(fmt: str) -> bool:
+    """Whether a table's format asks for an 8-bit layer (anything but the dtypes' own names)."""
+    return fmt not in TABLE_DTYPES
+
+
+TABLE_DTYPES = ("compute", "fp32", "vae")  # the table's names that are dtypes; any other asks for an 8-bit format

@@ -53,6 +53,8 @@ BAD_BODIES = {
     "unknown precision": {"precision": "turbo"},
     "precision in capitals": {"precision": "FAST"},
     "precision not a string": {"precision": 8},
+    "unknown step cache": {"step_cache": "taylor9"},
+    "step cache null": {"step_cache": None},
 }
 
 
@@ -82,6 +84,15 @@ def test_malformed_json_is_422(client, settings, raw):
     r = client.post("/v1/jobs", content=raw, headers={"content-type": "application/json"})
     assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_request"
     assert job_count(settings) == before
+
+
+def test_an_unknown_step_cache_is_a_422_that_names_it_and_its_presets(client, settings):
+    r = client.post("/v1/jobs", json={**TINY, "step_cache": "always"})
+    assert r.status_code == 422, r.text
+    error = r.json()["error"]
+    assert error["message"] == "step_cache must be one of 'off', 'taylor2', 'taylor3'"
+    assert [d["loc"] for d in error["details"]] == [["body", "step_cache"]]
+    assert job_count(settings) == 0
 
 
 def test_an_unknown_precision_is_a_422_that_names_it_and_writes_and_sends_nothing(client, settings):
@@ -141,6 +152,10 @@ def test_openapi_documents_precision(api_url):
         assert {"enum": ["exact", "fast"], "type": "string"} in field["anyOf"], (name, field)
         assert "worker's default" in field["description"] and "8-bit" in field["description"], name
     assert "precision" not in schemas["JobCreate"].get("required", [])
+    for name in ("JobCreate", "JobOut"):
+        field = schemas[name]["properties"]["step_cache"]
+        assert field["enum"] == ["off", "taylor2", "taylor3"] and field["default"] == "off", (name, field)
+        assert "depends on the model's trained weights" in field["description"], name
 
 
 def test_resolution_preset_and_frames_are_derived(client):

@@ -70,12 +70,19 @@ def test_jobs_waiting_together_render_as_one_batch_each_its_own_video(client, ba
 def test_incompatible_jobs_never_share_a_batch(client, batching, settings):
     three = [submit(client, seed=i, steps=3)["id"] for i in range(2)]
     four = [submit(client, seed=i, steps=4)["id"] for i in range(2)]
-    sent(settings, three + four)
+    # Three steps too, but with a step cache (a field stored only when set): never with the jobs that have none.
+    cached = [submit(client, seed=i, steps=3, step_cache="taylor2")["id"] for i in range(2)]
+    sent(settings, three + four + cached)
     start(batching)
-    for group in (three, four):
+    for group in (three, four, cached):
         done = [wait_job(client, j, {"succeeded"}) for j in group]
         assert [batch_of(j) for j in done] == [2, 2]  # each with its own kind only
         assert {j["steps"] for j in done} == {done[0]["steps"]}
+        assert {j["step_cache"] for j in done} == {"taylor2" if group is cached else "off"}
+        caches = [j["timings"]["precision"].get("step_cache") for j in done]
+        assert caches == (
+            [{"preset": "taylor2", "computed_steps": 3, "steps": 3}] * 2 if group is cached else [None] * 2
+        )
 
 
 def test_a_cancelled_member_stops_and_the_rest_of_the_batch_finishes(client, batching, settings, hold):

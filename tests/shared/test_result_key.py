@@ -31,6 +31,7 @@ CHANGED: dict[str, Any] = {
     "seed": 2,
     "precision": "fast",
     "allow_degraded": True,
+    "step_cache": "taylor2",
 }
 
 
@@ -58,27 +59,41 @@ def test_the_key_is_a_sha256_hex_stable_across_orderings_and_storage() -> None:
 
 
 def test_the_key_hashes_the_whole_spec_under_a_version() -> None:
-    canonical = json.dumps({"spec": SPEC.to_dict(), "v": 1}, sort_keys=True, separators=(",", ":"))
+    canonical = json.dumps({"spec": SPEC.to_dict(), "v": 2}, sort_keys=True, separators=(",", ":"))
     assert SPEC.result_key() == hashlib.sha256(canonical.encode()).hexdigest()
 
 
 # SPEC's key and BODY's Idempotency-Key fingerprint as the code made them before `precision` existed (computed with
-# that commit's shared/spec.py and shared/jobs/schemas.py): jobs and keys stored then must keep matching.
+# that commit's shared/spec.py and shared/jobs/schemas.py, under key version 1): jobs and keys stored then must keep
+# matching. Version 2 (the fast tier renders in 8 bits) retired every key at once, by design; the stored spec stayed.
 KEY_BEFORE_PRECISION = "525cfd814caf6b6ad250c3919f257e1cd2b4713e7d42a2ea11941f153f39cc1d"
+KEY_NOW = "acf6d2307cc27ed4e968a106bd1741799aabd5f28ecf6c4c57e19b58a88a7ba4"  # the same spec under version 2
 FINGERPRINT_BEFORE_PRECISION = "d15f42094e81fe3cf221df099b8a36254bed71b2ca0b31f1e46c8ab371421586"
 
 
+def key_at(version: int, stored: dict[str, Any]) -> str:
+    canonical = json.dumps({"spec": stored, "v": version}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
 def test_a_job_that_names_no_precision_keeps_todays_stored_spec_and_key() -> None:
-    assert SPEC.precision is None
+    assert SPEC.precision is None and SPEC.step_cache == "off"
     stored = SPEC.to_dict()
-    assert "precision" not in stored  # the stored spec is what it was before the field existed
-    without_field = {"spec": {k: v for k, v in stored.items() if k != "precision"}, "v": RESULT_KEY_VERSION}
-    canonical = json.dumps(without_field, sort_keys=True, separators=(",", ":"))
-    assert SPEC.result_key() == hashlib.sha256(canonical.encode()).hexdigest() == KEY_BEFORE_PRECISION
-    # A spec stored before the field existed reads back as naming none, with the same key.
+    assert "precision" not in stored and "step_cache" not in stored  # the stored spec is what it was before
+    assert key_at(1, stored) == KEY_BEFORE_PRECISION  # the same stored spec: under version 1, the same key
+    assert RESULT_KEY_VERSION == 2 and SPEC.result_key() == key_at(2, stored) == KEY_NOW
+    # A spec stored before the field existed reads back as naming none, with today's key.
     legacy = GenerationSpec.from_dict(stored)
-    assert legacy.precision is None and legacy == SPEC and legacy.result_key() == KEY_BEFORE_PRECISION
-    assert JobCreate(**BODY, precision=None).to_spec(SETTINGS).result_key() == KEY_BEFORE_PRECISION
+    assert legacy.precision is None and legacy == SPEC and legacy.result_key() == KEY_NOW
+    assert JobCreate(**BODY, precision=None, step_cache="off").to_spec(SETTINGS).result_key() == KEY_NOW
+
+
+def test_a_step_cache_is_stored_and_keyed_only_when_set() -> None:
+    cached = JobCreate(**BODY, step_cache="taylor3").to_spec(SETTINGS)
+    assert cached.to_dict()["step_cache"] == "taylor3" and cached.result_key() != SPEC.result_key()
+    assert GenerationSpec.from_dict(json.loads(json.dumps(cached.to_dict()))) == cached
+    assert cached.batch_key()["step_cache"] == "taylor3" and SPEC.batch_key()["step_cache"] == "off"
+    assert JobCreate(**BODY, step_cache="taylor3").fingerprint() != FINGERPRINT_BEFORE_PRECISION
 
 
 def test_a_named_precision_is_stored_and_keyed() -> None:
@@ -116,7 +131,7 @@ def test_precision_is_part_of_the_idempotency_fingerprint_only_when_named() -> N
 def test_cache_is_part_of_the_idempotency_fingerprint() -> None:
     default, on, off = JobCreate(**BODY), JobCreate(**BODY, cache=True), JobCreate(**BODY, cache=False)
     assert default.fingerprint() == on.fingerprint() != off.fingerprint()
-    # At its default the flag is left out (as are an unnamed precision and allow_degraded false): a key stored
-    # before the field existed still matches its retry.
-    before = default.model_dump(mode="json", exclude={"cache", "precision", "allow_degraded"})
+    # At its default the flag is left out (as are an unnamed precision, allow_degraded false and step_cache off): a
+    # key stored before the field existed still matches its retry.
+    before = default.model_dump(mode="json", exclude={"cache", "precision", "allow_degraded", "step_cache"})
     assert default.fingerprint() == hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()

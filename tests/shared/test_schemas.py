@@ -88,6 +88,22 @@ def test_an_unknown_precision_is_refused_at_parse_naming_the_field(precision: ob
     assert "precision must be 'exact' or 'fast'" in error["msg"]
 
 
+@pytest.mark.parametrize("step_cache", ["taylor9", "TAYLOR2", "on", "", None, 2, True, ["taylor2"]])
+def test_an_unknown_step_cache_is_refused_at_parse_naming_the_field_and_the_presets(step_cache: object) -> None:
+    with pytest.raises(ValidationError) as caught:
+        JobCreate.model_validate({"prompt": "x", "step_cache": step_cache})
+    (error,) = caught.value.errors()
+    assert error["loc"] == ("step_cache",)
+    assert "step_cache must be one of 'off', 'taylor2', 'taylor3'" in error["msg"]
+
+
+@pytest.mark.parametrize("step_cache", ["off", "taylor2", "taylor3"])
+def test_a_step_cache_goes_into_the_spec_as_asked(step_cache: str) -> None:
+    body = JobCreate.model_validate({"prompt": "x", "step_cache": step_cache})
+    assert body.to_spec(SETTINGS).step_cache == step_cache
+    assert JobCreate(prompt="x").to_spec(SETTINGS).step_cache == "off"  # left out: off
+
+
 def test_a_stored_spec_without_precision_reads_back_as_naming_none() -> None:
     stored = JobCreate(prompt="x", seed=5).to_spec(SETTINGS).to_dict()
     assert "precision" not in stored  # what every job stored before the field existed looks like

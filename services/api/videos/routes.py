@@ -121,8 +121,8 @@ async def create_video(
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
 ) -> Video:
     """``client.videos.create``: a job, as ``POST /v1/jobs`` makes it. vidq's own parameters (steps, seed,
-    guidance_scale, negative_prompt, fps, precision, allow_degraded, webhook_url, metadata, cache) come as extra fields
-    (``extra_body``)."""
+    guidance_scale, negative_prompt, fps, precision, allow_degraded, step_cache, webhook_url, metadata, cache) come as
+    extra fields (``extra_body``)."""
     body = videos_service.job_request(await _params(request))
     try:
         job = await submission.submit(

@@ -10,8 +10,8 @@ cache, scoring, the queues), marked as created through this API (``jobs.api_flav
 - ``model``: OpenAI's names (sora-2, sora-2-pro and their dated snapshots) render with vidq's default model; a vidq
   model name is used as it is; anything else is a 400.
 - vidq's own parameters come as extra fields (the SDK's ``extra_body``): ``negative_prompt``, ``fps``, ``steps``,
-  ``guidance_scale``, ``seed``, ``precision``, ``allow_degraded``, ``webhook_url``, ``metadata``, ``cache``. Any other
-  field is a 400.
+  ``guidance_scale``, ``seed``, ``precision``, ``allow_degraded``, ``step_cache``, ``webhook_url``, ``metadata``,
+  ``cache``. Any other field is a 400.
 - An invalid request raises ``InvalidRequest`` with ``details={"param": <the OpenAI parameter>}``; the error
   handlers answer it as OpenAI's 400 (services/api/error_handlers.py).
 """
@@ -52,6 +52,7 @@ PASS_THROUGH = frozenset(
         "seed",
         "precision",
         "allow_degraded",
+        "step_cache",
         "webhook_url",
         "metadata",
         "cache",

@@ -1,0 +1,400 @@
+"""GPU benchmark of the ``fast`` tier and step caching: plain diffusers, ``exact``, ``fast``, ``fast`` with each step
+cache preset and the int8 weight-only policy, side by side in one run, each with its drift against plain.
+
+Every variant renders from the same prompt embeddings (computed once), on deep copies of the plain pipeline's
+transformer and VAE (the same weights; each tier's levers touch its own copy only), with the same seed:
+
+* plain: ``WanPipeline.__call__`` in bf16 with its VAE in float32, diffusers' defaults: the reference;
+* exact: vidq's exact tier (shared/render/tiers.py);
+* fast: exact with the module table's 8-bit layers in this GPU's format (fp8 rowwise on compute capability ≥ 8.9);
+* fast+taylor2, fast+taylor3: the fast pipeline with a job's step cache (shared/render/step_cache.py);
+* int8: the fast tier's table with int8 weight-only layers, the policy of GPUs without fp8, forced here so that one
+  GPU measures both.
+
+Each pipeline is warmed up with the worker's own warm-up first (its compile is reported). Then, per shape and run,
+the variants and plain alternate. Drift of each against plain: largest absolute difference of the denoised latents
+and PSNR of the uint8 frames. The weights are random: their frames are noise, so drift figures are a lower bound of
+what trained weights show, and a step cache's effect on quality is not measured at all here (its skipping follows a
+fixed schedule, so its speed is). The attention kernels at each shape are timed first. Writes
+``gpu_fast_<gpu>_<date><tag>.json`` and ``.md`` to ``--out`` after every variant.
+
+    python -m benchmarks.gpu_fast [--shapes 480x832x33 480x832x81] [--runs 2] [--out benchmarks/results]
+    python -m benchmarks.gpu_fast --model tiny-wan --device cpu --shapes 64x64x9 --steps 8 --compile on  # rehearsal
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime as dt
+import json
+import re
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from diffusers import WanPipeline
+
+from benchmarks.gpu_exact import GIB, NEGATIVE, PROMPT, Clock, attention_kernels, machine, psnr
+from shared.render.pipeline import RenderResult, VideoPipeline, tokens_per_sample
+from shared.render.precision import dtype_name, resolve_device
+from shared.render.quantize import INT8_WEIGHT_ONLY
+from shared.render.registry import WAN21_13B_ARCH, build_pipeline
+from shared.render.text import MAX_SEQUENCE_LENGTH, pad, texts_of
+from shared.render.tiers import TierPolicy, policy_for
+from shared.render.warmup import use_compile_cache, warm_up
+from shared.spec import GenerationSpec, StepCache, parse_shape
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    pipeline: str  # which built pipeline renders it
+    step_cache: StepCache = "off"
+
+
+VARIANTS = (
+    Variant("exact", "exact"),
+    Variant("fast", "fast"),
+    Variant("fast+taylor2", "fast", "taylor2"),
+    Variant("fast+taylor3", "fast", "taylor3"),
+    Variant("int8", "int8"),
+)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=WAN21_13B_ARCH)
+    parser.add_argument("--shapes", nargs="+", default=["480x832x33", "480x832x81"], help="HEIGHTxWIDTHxFRAMES")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--guidance", type=float, default=5.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--runs", type=int, default=2, help="timed runs per variant and shape")
+    parser.add_argument("--variants", default=",".join(v.name for v in VARIANTS), help="comma-separated")
+    parser.add_argument("--skip-attention", action="store_true", help="do not time the attention kernels")
+    parser.add_argument("--tag", default="", help="appended to the results' file names")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto", help="as VIDQ_WORKER_COMPILE")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args(argv)
+    for shape in args.shapes:
+        parse_shape(shape)
+    known = {v.name for v in VARIANTS}
+    args.variants = [name for name in args.variants.split(",") if name]
+    if unknown := set(args.variants) - known:
+        parser.error(f"unknown variants {sorted(unknown)}; known: {sorted(known)}")
+    return args
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.device, self.dtype = resolve_device(args.device, cuda_dtype="bfloat16")
+        self.clock = Clock(self.device)
+        self.variants = [v for v in VARIANTS if v.name in args.variants]
+        self.report: dict[str, Any] = {
+            "benchmark": "gpu_fast",
+            "date_utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            "command": shlex.join(sys.orig_argv),
+            "machine": machine(self.device),
+            "model": args.model,
+            "steps": args.steps,
+            "guidance_scale": args.guidance,
+            "dtype": dtype_name(self.dtype),
+            "pipelines": {},
+            "shapes": {},
+            "errors": [],
+        }
+
+    # --- building ----------------------------------------------------------------------------------------------------
+
+    def policies(self) -> dict[str, TierPolicy]:
+        fast = policy_for("fast", device=self.device, compile_mode=self.args.compile)
+        return {
+            "exact": policy_for("exact", device=self.device, compile_mode=self.args.compile),
+            "fast": fast,
+            "int8": replace(fast, eight_bit=INT8_WEIGHT_ONLY),
+        }
+
+    def build(self) -> None:
+        started = time.perf_counter()
+        self.pipe = build_pipeline(self.args.model, device=self.device, dtype=self.dtype)
+        self.pipe.set_progress_bar_config(disable=True)
+        plain_vidq = VideoPipeline(self.pipe, model=self.args.model, device=self.device, dtype=self.dtype)
+        texts = list(texts_of(PROMPT, NEGATIVE, self.args.guidance))
+        rows = plain_vidq.encode_texts(texts)
+        self.rows = dict(zip(texts, rows, strict=True))
+        self.embeds = pad(rows, max_sequence_length=MAX_SEQUENCE_LENGTH, device=self.device)
+        self.clock.sync()
+        self.report["build_s"] = time.perf_counter() - started
+        # An empty compile cache: each pipeline's first warm-up is the cold compile a first worker pays.
+        use_compile_cache(tempfile.mkdtemp(prefix="vidq-compile-"))
+        wanted = {v.pipeline for v in self.variants}
+        self.pipelines: dict[str, VideoPipeline] = {}
+        for name, policy in self.policies().items():
+            if name not in wanted:
+                continue
+            started = time.perf_counter()
+            self.pipelines[name] = pipeline = self.copy_pipeline(policy)
+            self.report["pipelines"][name] = {
+                "policy": policy.describe(),
+                "build_s": time.perf_counter() - started,
+                "precision": pipeline.rendered_precision().to_dict(),
+            }
+            print(f"built {name}: linear {pipeline.linear}", flush=True)
+
+    def copy_pipeline(self, policy: TierPolicy) -> VideoPipeline:
+        pipe = WanPipeline(
+            tokenizer=self.pipe.tokenizer,
+            text_encoder=None,
+            transformer=copy.deepcopy(self.pipe.transformer),
+            vae=copy.deepcopy(self.pipe.vae),
+            scheduler=copy.deepcopy(self.pipe.scheduler),
+        )
+        pipe.set_progress_bar_config(disable=True)
+        return VideoPipeline(pipe, model=self.args.model, device=self.device, dtype=self.dtype, policy=policy)
+
+    # --- rendering ---------------------------------------------------------------------------------------------------
+
+    def spec(self, shape: str, step_cache: StepCache = "off") -> GenerationSpec:
+        height, width, frames = parse_shape(shape)
+        return GenerationSpec(
+            model=self.args.model,
+            prompt=PROMPT,
+            negative_prompt=NEGATIVE,
+            width=width,
+            height=height,
+            num_frames=frames,
+            fps=16,
+            steps=self.args.steps,
+            guidance_scale=self.args.guidance,
+            seed=self.args.seed,
+            step_cache=step_cache,
+        )
+
+    def plain(self, spec: GenerationSpec) -> dict[str, Any]:
+        """One plain ``WanPipeline.__call__``: seconds, peak memory, frames and the denoised latents."""
+        last: list[torch.Tensor] = []
+
+        def keep(_pipe: Any, index: int, _t: Any, tensors: dict[str, Any]) -> dict[str, Any]:
+            if index == spec.steps - 1:
+                last.append(tensors["latents"])
+            return tensors
+
+        self.reset_peak()
+        self.clock.sync()
+        started = time.perf_counter()
+        (video,) = self.pipe(
+            prompt_embeds=self.embeds[:1],
+            negative_prompt_embeds=self.embeds[1:2],
+            height=spec.height,
+            width=spec.width,
+            num_frames=spec.num_frames,
+            num_inference_steps=spec.steps,
+            guidance_scale=spec.guidance_scale,
+            generator=torch.Generator(device=self.device).manual_seed(spec.seed),
+            output_type="np",
+            return_dict=False,
+            callback_on_step_end=keep,
+            callback_on_step_end_tensor_inputs=["latents"],
+            max_sequence_length=MAX_SEQUENCE_LENGTH,
+        )
+        self.clock.sync()
+        seconds = time.perf_counter() - started
+        frames = np.clip(np.rint(video[0] * 255.0), 0, 255).astype(np.uint8)
+        return {"total": seconds, "peak_gib": self.peak(), "frames": frames, "latents": last[0]}
+
+    def render(self, variant: Variant, shape: str) -> RenderResult:
+        self.reset_peak()
+        pipeline = self.pipelines[variant.pipeline]
+        spec = self.spec(shape, variant.step_cache)
+        return pipeline.generate(spec, text_rows=lambda texts: [self.rows[t] for t in texts], keep_latents=True)
+
+    def reset_peak(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak(self) -> float | None:
+        return torch.cuda.max_memory_allocated(self.device) / GIB if self.device.type == "cuda" else None
+
+    # --- one shape ---------------------------------------------------------------------------------------------------
+
+    def shape(self, shape: str) -> None:
+        height, width, frames = parse_shape(shape)
+        entry: dict[str, Any] = self.report["shapes"].setdefault(
+            shape, {"tokens": tokens_per_sample(self.pipe, height, width, frames), "variants": {}}
+        )
+        if not self.args.skip_attention and "attention_kernels" not in entry:
+            entry["attention_kernels"] = attention_kernels(self.pipe, shape, self.device, self.dtype)
+            self.write()
+        warm: dict[str, float] = {}
+        for name, pipeline in self.pipelines.items():
+            warm[name] = warm_up(pipeline, [shape], guidance_scale=self.args.guidance)[shape]
+            print(f"{shape}: {name} warmed up in {warm[name]:.1f} s", flush=True)
+        entry["warm_up_s"] = warm
+        self.plain(self.spec(shape))  # plain's own first call (cuDNN/cuBLAS choices), untimed
+        plain_runs: list[dict[str, Any]] = []
+        runs: dict[str, list[RenderResult]] = {v.name: [] for v in self.variants}
+        for run in range(self.args.runs):
+            for variant in self.variants:
+                try:
+                    runs[variant.name].append(self.render(variant, shape))
+                except Exception as exc:
+                    self.fail(f"{shape} {variant.name}", exc)
+            plain_runs.append(self.plain(self.spec(shape)))
+            line = ", ".join(f"{name} {r[-1].timings_s['total']:.3f}" for name, r in runs.items() if r)
+            print(f"{shape} run {run + 1}: plain {plain_runs[-1]['total']:.3f}, {line} s", flush=True)
+            self.summarise(entry, plain_runs, runs)
+            self.write()
+
+    def summarise(
+        self, entry: dict[str, Any], plain_runs: list[dict[str, Any]], runs: dict[str, list[RenderResult]]
+    ) -> None:
+        plain_s = statistics.median(r["total"] for r in plain_runs)
+        entry["plain"] = {
+            "s": plain_s,
+            "runs_s": [r["total"] for r in plain_runs],
+            "peak_gib": max(r["peak_gib"] or 0.0 for r in plain_runs),
+        }
+        exact_s = statistics.median(r.timings_s["total"] for r in runs["exact"]) if runs.get("exact") else None
+        reference = plain_runs[-1]
+        for name, results in runs.items():
+            if not results:
+                continue
+            last = results[-1]
+            total = statistics.median(r.timings_s["total"] for r in results)
+            record = last.precision.to_dict()
+            entry["variants"][name] = {
+                "s": total,
+                "runs_s": [r.timings_s["total"] for r in results],
+                "denoise_s": statistics.median(r.timings_s["denoise"] for r in results),
+                "decode_s": statistics.median(r.timings_s["decode"] for r in results),
+                "speedup": plain_s / total,
+                "vs_exact": exact_s / total if exact_s else None,
+                "peak_gib": max((r.peak_vram_bytes or 0) / GIB for r in results),
+                "attention": record["attention"],
+                "linear": record.get("linear", []),
+                "step_cache": record.get("step_cache"),
+                "drift": drift(reference, last),
+            }
+
+    def fail(self, phase: str, exc: BaseException) -> None:
+        traceback.print_exc()
+        self.report["errors"].append({"phase": phase, "error": f"{type(exc).__name__}: {exc}"[:2000]})
+
+    # --- output ------------------------------------------------------------------------------------------------------
+
+    def write(self) -> None:
+        out: Path = self.args.out
+        out.mkdir(parents=True, exist_ok=True)
+        gpu = re.sub(r"[^a-z0-9]+", "_", self.report["machine"]["gpu"].lower().replace("nvidia", "")).strip("_")
+        stem = f"gpu_fast_{gpu}_{dt.date.today():%Y%m%d}{self.args.tag}"
+        (out / f"{stem}.json").write_text(json.dumps(self.report, indent=2, default=str) + "\n")
+        (out / f"{stem}.md").write_text(markdown(self.report))
+
+
+def drift(plain: dict[str, Any], result: RenderResult) -> dict[str, float]:
+    assert result.latents is not None
+    diff = (result.latents.float() - plain["latents"].float()).abs()
+    return {
+        "latents_max_abs": float(diff.max()),
+        "latents_mean_abs": float(diff.mean()),
+        "latents_abs_max": float(plain["latents"].float().abs().max()),
+        "frames_psnr_db": psnr(result.frames, plain["frames"]),
+        "frames_max_abs": int(np.abs(result.frames.astype(np.int16) - plain["frames"]).max()),
+    }
+
+
+def markdown(report: dict[str, Any]) -> str:
+    m = report["machine"]
+    lines = [
+        f"# gpu_fast: {m['gpu']}, {report['date_utc']}",
+        "",
+        f"`{report['command']}`",
+        "",
+        f"{report['model']} (random weights), {report['steps']} steps, guidance {report['guidance_scale']}, "
+        f"{report['dtype']}; plain = `WanPipeline.__call__` (VAE float32); every variant from the same embeddings, "
+        "seed and weights; runs alternate. Drift is against plain. Random weights render noise: drift is a lower "
+        "bound of what trained weights show, and a step cache's cost in quality is not measured (only its speed).",
+        "",
+        "| shape | variant | s | × plain | × exact | denoise s | decode s | peak GiB | 8-bit layers | attention "
+        "| steps run | latents max abs diff | frames PSNR dB | warm-up s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for shape, e in report["shapes"].items():
+        if "plain" not in e:
+            continue
+        lines.append(
+            f"| {shape} | plain diffusers | {e['plain']['s']:.3f} | 1.00× | | | | {e['plain']['peak_gib'] or 0:.2f} "
+            "| none (bf16) | SDPA default | all | 0 | ∞ | |"
+        )
+        for name, v in e["variants"].items():
+            linear = ", ".join(f"{x['layers']} {x['runs']}" for x in v["linear"]) or "none"
+            steps = f"{v['step_cache']['computed_steps']}/{v['step_cache']['steps']}" if v["step_cache"] else "all"
+            d = v["drift"]
+            pipeline = next((p.pipeline for p in VARIANTS if p.name == name), name)
+            warm = e.get("warm_up_s", {}).get(pipeline)
+            vs_exact = "" if v["vs_exact"] is None else f"{v['vs_exact']:.2f}×"
+            lines.append(
+                f"| {shape} | {name} | {v['s']:.3f} | **{v['speedup']:.2f}×** | {vs_exact} | {v['denoise_s']:.3f} | "
+                f"{v['decode_s']:.3f} | {v['peak_gib']:.2f} | {linear} | {v['attention']} | {steps} | "
+                f"{d['latents_max_abs']:.4g} (of {d['latents_abs_max']:.3g}) | {d['frames_psnr_db']:.1f} | "
+                f"{'' if warm is None else round(warm, 1)} |"
+            )
+    kernels = [(shape, k) for shape, e in report["shapes"].items() for k in e.get("attention_kernels", [])]
+    if kernels:
+        lines += [
+            "",
+            "| shape | attention kernel | ms (batch 2) | TFLOP/s | SDPA's default | max abs diff from SDPA's default |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for shape, k in kernels:
+            if "error" in k:
+                lines.append(f"| {shape} | {k['backend']} | not run: {k['error']} | | | |")
+                continue
+            lines.append(
+                f"| {shape} | {k['backend']} | {k['ms']:.2f} | {k['tflop_s']:.0f} | {'yes' if k['default'] else ''} "
+                f"| {k['max_abs_diff']:.3g} |"
+            )
+    if report["errors"]:
+        lines += ["", "Errors:", *[f"- {e['phase']}: {e['error'][:300]}" for e in report["errors"]]]
+    lines += [
+        "",
+        f"Build {report.get('build_s', 0):.1f} s. Machine: {m['gpu']}, driver {m.get('driver', '-')}, CUDA "
+        f"{m.get('cuda', '-')}, cuDNN {m.get('cudnn', '-')}, torch {m['torch']}, diffusers {m['diffusers']}, "
+        f"transformers {m['transformers']}, torchao {m.get('torchao', '-')}, Python {m['python']}.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    bench = Bench(args)
+    try:
+        import torchao
+
+        bench.report["machine"]["torchao"] = torchao.__version__
+    except ImportError:
+        bench.report["machine"]["torchao"] = "not installed"
+    bench.build()
+    bench.write()
+    for shape in args.shapes:
+        try:
+            bench.shape(shape)
+        except Exception as exc:
+            bench.fail(f"shape {shape}", exc)
+        bench.write()
+    print(markdown(bench.report))
+    return 1 if bench.report["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -42,8 +42,10 @@ from typing import Any
 import numpy as np
 import torch
 from diffusers import WanPipeline
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from benchmarks.gpu_exact import GIB, NEGATIVE, PROMPT, Clock, attention_kernels, machine, psnr
+from benchmarks.gpu_exact import GIB, NEGATIVE, PROMPT, Clock, attention_kernels, machine, psnr, timed
+from shared.render.fp8_attention import FP8_ATTENTION, fp8_attention, fp8_attention_unavailable
 from shared.render.pipeline import RenderResult, VideoPipeline, tokens_per_sample
 from shared.render.precision import dtype_name, resolve_device
 from shared.render.quantize import INT8_WEIGHT_ONLY
@@ -66,6 +68,8 @@ VARIANTS = (
     Variant("fast", "fast"),
     Variant("fast+taylor2", "fast", "taylor2"),
     Variant("fast+taylor3", "fast", "taylor3"),
+    Variant("fast+fp8attn", "fast_fp8attn"),
+    Variant("fast+fp8attn+taylor3", "fast_fp8attn", "taylor3"),
     Variant("int8", "int8"),
 )
 
@@ -118,10 +122,12 @@ class Bench:
 
     def policies(self) -> dict[str, TierPolicy]:
         fast = policy_for("fast", device=self.device, compile_mode=self.args.compile)
+        without = tuple(kernel for kernel in fast.attention if kernel != FP8_ATTENTION)
         return {
             "exact": policy_for("exact", device=self.device, compile_mode=self.args.compile),
-            "fast": fast,
-            "int8": replace(fast, eight_bit=INT8_WEIGHT_ONLY),
+            "fast": replace(fast, attention=without),
+            "fast_fp8attn": replace(fast, attention=(FP8_ATTENTION, *without)),
+            "int8": replace(fast, eight_bit=INT8_WEIGHT_ONLY, attention=without),
         }
 
     def build(self) -> None:
@@ -148,6 +154,8 @@ class Bench:
                 "policy": policy.describe(),
                 "build_s": time.perf_counter() - started,
                 "precision": pipeline.rendered_precision().to_dict(),
+                "weights_gib": weights_bytes(pipeline.pipe.transformer, pipeline.pipe.vae) / GIB,
+                "transformer_gib": weights_bytes(pipeline.pipe.transformer) / GIB,
             }
             print(f"built {name}: linear {pipeline.linear}", flush=True)
 
@@ -190,6 +198,7 @@ class Bench:
             return tensors
 
         self.reset_peak()
+        before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
         self.clock.sync()
         started = time.perf_counter()
         (video,) = self.pipe(
@@ -210,13 +219,20 @@ class Bench:
         self.clock.sync()
         seconds = time.perf_counter() - started
         frames = np.clip(np.rint(video[0] * 255.0), 0, 255).astype(np.uint8)
-        return {"total": seconds, "peak_gib": self.peak(), "frames": frames, "latents": last[0]}
+        peak = self.peak()
+        above = None if peak is None or before is None else peak - before / GIB
+        return {"total": seconds, "activations_gib": above, "frames": frames, "latents": last[0]}
 
-    def render(self, variant: Variant, shape: str) -> RenderResult:
+    def render(self, variant: Variant, shape: str) -> tuple[RenderResult, float | None]:
+        """The variant's render, and the device memory it used above what was allocated before it (activations,
+        workspaces: its pipeline's weights are resident throughout)."""
         self.reset_peak()
+        before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
         pipeline = self.pipelines[variant.pipeline]
         spec = self.spec(shape, variant.step_cache)
-        return pipeline.generate(spec, text_rows=lambda texts: [self.rows[t] for t in texts], keep_latents=True)
+        result = pipeline.generate(spec, text_rows=lambda texts: [self.rows[t] for t in texts], keep_latents=True)
+        above = None if before is None or result.peak_vram_bytes is None else (result.peak_vram_bytes - before) / GIB
+        return result, above
 
     def reset_peak(self) -> None:
         if self.device.type == "cuda":
@@ -234,19 +250,31 @@ class Bench:
         )
         if not self.args.skip_attention and "attention_kernels" not in entry:
             entry["attention_kernels"] = attention_kernels(self.pipe, shape, self.device, self.dtype)
+            entry["attention_kernels"].append(fp8_attention_row(self.pipe, shape, self.device, self.dtype))
             self.write()
         warm: dict[str, float] = {}
-        for name, pipeline in self.pipelines.items():
-            warm[name] = warm_up(pipeline, [shape], guidance_scale=self.args.guidance)[shape]
+        for name, pipeline in list(self.pipelines.items()):
+            try:
+                warm[name] = warm_up(pipeline, [shape], guidance_scale=self.args.guidance)[shape]
+            except Exception as exc:  # its variants are left out; the others go on
+                self.fail(f"{shape} warm-up {name}", exc)
+                del self.pipelines[name]
+                continue
             print(f"{shape}: {name} warmed up in {warm[name]:.1f} s", flush=True)
         entry["warm_up_s"] = warm
         self.plain(self.spec(shape))  # plain's own first call (cuDNN/cuBLAS choices), untimed
         plain_runs: list[dict[str, Any]] = []
         runs: dict[str, list[RenderResult]] = {v.name: [] for v in self.variants}
+        self.activations: dict[str, float] = {}
         for run in range(self.args.runs):
             for variant in self.variants:
+                if variant.pipeline not in self.pipelines:
+                    continue
                 try:
-                    runs[variant.name].append(self.render(variant, shape))
+                    result, above = self.render(variant, shape)
+                    runs[variant.name].append(result)
+                    if above is not None:
+                        self.activations[variant.name] = max(above, self.activations.get(variant.name, 0.0))
                 except Exception as exc:
                     self.fail(f"{shape} {variant.name}", exc)
             plain_runs.append(self.plain(self.spec(shape)))
@@ -262,7 +290,12 @@ class Bench:
         entry["plain"] = {
             "s": plain_s,
             "runs_s": [r["total"] for r in plain_runs],
-            "peak_gib": max(r["peak_gib"] or 0.0 for r in plain_runs),
+            "alone_peak_gib": (
+                None
+                if plain_runs[0]["activations_gib"] is None
+                else weights_bytes(self.pipe.transformer, self.pipe.vae) / GIB
+                + max(r["activations_gib"] for r in plain_runs)
+            ),
         }
         exact_s = statistics.median(r.timings_s["total"] for r in runs["exact"]) if runs.get("exact") else None
         reference = plain_runs[-1]
@@ -272,6 +305,9 @@ class Bench:
             last = results[-1]
             total = statistics.median(r.timings_s["total"] for r in results)
             record = last.precision.to_dict()
+            pipeline = next(v.pipeline for v in VARIANTS if v.name == name)
+            above = self.activations.get(name)
+            weights = self.report["pipelines"][pipeline]["weights_gib"]
             entry["variants"][name] = {
                 "s": total,
                 "runs_s": [r.timings_s["total"] for r in results],
@@ -279,7 +315,10 @@ class Bench:
                 "decode_s": statistics.median(r.timings_s["decode"] for r in results),
                 "speedup": plain_s / total,
                 "vs_exact": exact_s / total if exact_s else None,
-                "peak_gib": max((r.peak_vram_bytes or 0) / GIB for r in results),
+                # As a worker holding this pipeline alone would peak: its transformer's and VAE's weights (the text
+                # encoder aside: workers may run without one) plus what the render allocated above them.
+                "alone_peak_gib": None if above is None else weights + above,
+                "activations_gib": above,
                 "attention": record["attention"],
                 "linear": record.get("linear", []),
                 "step_cache": record.get("step_cache"),
@@ -299,6 +338,69 @@ class Bench:
         stem = f"gpu_fast_{gpu}_{dt.date.today():%Y%m%d}{self.args.tag}"
         (out / f"{stem}.json").write_text(json.dumps(self.report, indent=2, default=str) + "\n")
         (out / f"{stem}.md").write_text(markdown(self.report))
+
+
+def fp8_attention_row(pipe: Any, shape: str, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """The fp8 kernel at the self-attention's shape, as ``attention_kernels`` reports the others, with its error
+    relative to float32 attention (and the bf16 default's, for scale)."""
+    config = pipe.transformer.config
+    heads, head_dim = config.num_attention_heads, config.attention_head_dim
+    reason = fp8_attention_unavailable(device, head_dim=head_dim, dtype=dtype)
+    if reason is not None:
+        return {"backend": FP8_ATTENTION, "error": reason, "default": False}
+    tokens = tokens_per_sample(pipe, *parse_shape(shape))
+    generator = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (
+        torch.randn((2, tokens, heads, head_dim), device=device, dtype=dtype, generator=generator) for _ in range(3)
+    )
+    flop = 4 * 2 * heads * tokens * tokens * head_dim
+    try:
+        seconds = timed(lambda: fp8_attention(q, k, v), device, reps=5)
+        out = fp8_attention(q, k, v).float()
+        qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+        default = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh).transpose(1, 2).float()
+        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+            exact = torch.nn.functional.scaled_dot_product_attention(qh.float(), kh.float(), vh.float())
+        exact = exact.transpose(1, 2)
+        return {
+            "backend": FP8_ATTENTION,
+            "ms": seconds * 1e3,
+            "tflop_s": flop / seconds / 1e12,
+            "default": False,
+            "max_abs_diff": float((out - default).abs().max()),
+            "rel_l2_vs_fp32": float((out - exact).norm() / exact.norm()),
+            "bf16_default_rel_l2_vs_fp32": float((default - exact).norm() / exact.norm()),
+        }
+    except Exception as exc:
+        return {"backend": FP8_ATTENTION, "error": str(exc).splitlines()[0][:200], "default": False}
+
+
+def _rel(row: dict[str, Any]) -> str:
+    if "rel_l2_vs_fp32" not in row:
+        return ""
+    return f"{row['rel_l2_vs_fp32']:.4f} (bf16 default: {row['bf16_default_rel_l2_vs_fp32']:.4f})"
+
+
+def _gib(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def weights_bytes(*modules: torch.nn.Module) -> int:
+    """Bytes of the modules' parameters and buffers as stored: a quantized weight (a torchao tensor subclass) counts
+    its 8-bit data and its scales."""
+    total = 0
+    for module in modules:
+        for tensor in [*module.parameters(), *module.buffers()]:
+            total += _stored_bytes(tensor)
+    return total
+
+
+def _stored_bytes(tensor: torch.Tensor) -> int:
+    flatten = getattr(tensor, "__tensor_flatten__", None)
+    if flatten is None:
+        return tensor.numel() * tensor.element_size()
+    names, _ = flatten()
+    return sum(_stored_bytes(getattr(tensor, name)) for name in names)
 
 
 def drift(plain: dict[str, Any], result: RenderResult) -> dict[str, float]:
@@ -325,7 +427,7 @@ def markdown(report: dict[str, Any]) -> str:
         "seed and weights; runs alternate. Drift is against plain. Random weights render noise: drift is a lower "
         "bound of what trained weights show, and a step cache's cost in quality is not measured (only its speed).",
         "",
-        "| shape | variant | s | × plain | × exact | denoise s | decode s | peak GiB | 8-bit layers | attention "
+        "| shape | variant | s | × plain | × exact | denoise s | decode s | peak GiB alone | 8-bit layers | attention "
         "| steps run | latents max abs diff | frames PSNR dB | warm-up s |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
@@ -333,7 +435,7 @@ def markdown(report: dict[str, Any]) -> str:
         if "plain" not in e:
             continue
         lines.append(
-            f"| {shape} | plain diffusers | {e['plain']['s']:.3f} | 1.00× | | | | {e['plain']['peak_gib'] or 0:.2f} "
+            f"| {shape} | plain diffusers | {e['plain']['s']:.3f} | 1.00× | | | | {_gib(e['plain']['alone_peak_gib'])} "
             "| none (bf16) | SDPA default | all | 0 | ∞ | |"
         )
         for name, v in e["variants"].items():
@@ -345,7 +447,7 @@ def markdown(report: dict[str, Any]) -> str:
             vs_exact = "" if v["vs_exact"] is None else f"{v['vs_exact']:.2f}×"
             lines.append(
                 f"| {shape} | {name} | {v['s']:.3f} | **{v['speedup']:.2f}×** | {vs_exact} | {v['denoise_s']:.3f} | "
-                f"{v['decode_s']:.3f} | {v['peak_gib']:.2f} | {linear} | {v['attention']} | {steps} | "
+                f"{v['decode_s']:.3f} | {_gib(v['alone_peak_gib'])} | {linear} | {v['attention']} | {steps} | "
                 f"{d['latents_max_abs']:.4g} (of {d['latents_abs_max']:.3g}) | {d['frames_psnr_db']:.1f} | "
                 f"{'' if warm is None else round(warm, 1)} |"
             )
@@ -353,16 +455,17 @@ def markdown(report: dict[str, Any]) -> str:
     if kernels:
         lines += [
             "",
-            "| shape | attention kernel | ms (batch 2) | TFLOP/s | SDPA's default | max abs diff from SDPA's default |",
-            "| --- | --- | --- | --- | --- | --- |",
+            "| shape | attention kernel | ms (batch 2) | TFLOP/s | SDPA's default | max abs diff from SDPA's default "
+            "| relative L2 error vs float32 |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
         ]
         for shape, k in kernels:
             if "error" in k:
-                lines.append(f"| {shape} | {k['backend']} | not run: {k['error']} | | | |")
+                lines.append(f"| {shape} | {k['backend']} | not run: {k['error']} | | | | |")
                 continue
             lines.append(
                 f"| {shape} | {k['backend']} | {k['ms']:.2f} | {k['tflop_s']:.0f} | {'yes' if k['default'] else ''} "
-                f"| {k['max_abs_diff']:.3g} |"
+                f"| {k['max_abs_diff']:.3g} | {_rel(k)} |"
             )
     if report["errors"]:
         lines += ["", "Errors:", *[f"- {e['phase']}: {e['error'][:300]}" for e in report["errors"]]]

@@ -1,26 +1,29 @@
-"""8-bit matrix products for a tier's Linear layers (torchao), with the fallback when a format cannot run here.
+"""8-bit matrix products for a tier's Linear layers, with the fallback when a format cannot run here.
 
-Two formats, each a torchao configuration applied to the layers a tier's table names:
+Two formats, each a module that takes the place of a Linear layer the tier's table names:
 
-* ``fp8_e4m3_rowwise`` — weights quantized once to float8 (e4m3) with one scale per output row; activations
-  quantized to float8 on the fly, one scale per row (token), so one outlier token costs no other its precision. The
-  product runs on the GPU's fp8 tensor cores (``torch._scaled_mm``) with bf16 output; under compiled blocks the
-  activations' quantization fuses into the kernels before it. Needs compute capability 8.9 or newer (Ada, Hopper,
-  Blackwell).
-* ``int8_weight_only`` — weights stored in int8 with one scale per output row, dequantized inside the product;
-  activations stay in the compute dtype. It halves the layers' weight memory and runs on any device; on a large
-  product it is no faster than bf16 (the product is compute-bound, not weight-bound).
+* ``fp8_e4m3_rowwise`` (``Fp8RowwiseLinear``) — weights quantized once to float8 (e4m3) with one scale per output
+  row; activations quantized to float8 on the fly, one scale per row (token), so one outlier token costs no other its
+  precision. The product runs on the GPU's fp8 tensor cores (``torch._scaled_mm``, the kernel torchao's float8
+  layers call) with the bias added and bf16 out; under compiled blocks the activations' quantization fuses into the
+  kernels before it. Needs compute capability 8.9 or newer (Ada, Hopper, Blackwell).
+* ``int8_weight_only`` (``Int8WeightOnlyLinear``) — weights stored in int8 with one scale per output row, turned back
+  into the compute dtype for each product; activations stay in the compute dtype. It halves the layers' weight
+  memory and runs on any device; it is no faster than bf16 (the products are compute-bound, not weight-bound).
+
+They are plain modules holding plain tensors, not tensor subclasses: torch.compile shares one graph among the
+transformer's repeated blocks as it does for bf16 ones (on an H200, torch 2.11, compiling blocks whose weights were
+torchao's float8 tensors had not finished after five and a half minutes).
 
 ``resolve`` turns what the table asks for into what runs on this device: "linear8" (the table's word for "the
 device's 8-bit format") becomes fp8 where the GPU has fp8 tensor cores and int8 weight-only elsewhere; a format
-that cannot run (an unknown name, torchao not installed, fp8 on a GPU without it) falls back to the next one that
-can, down to the compute dtype, with a log line and the reason kept for the job's result.
+that cannot run (an unknown name, fp8 on a device without it) falls back to the next one that can, with a log line
+and the reason kept for the job's result.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.util
 import logging
 from collections import Counter
 from collections.abc import Iterable
@@ -58,14 +61,27 @@ def unavailable(fmt: str, device: torch.device) -> str | None:
     """Why ``fmt`` cannot run on ``device``; None when it can."""
     if fmt not in FORMATS:
         return f"no 8-bit format is called {fmt!r} (known: {', '.join(FORMATS)})"
-    if not torchao_installed():
-        return "torchao is not installed (pip install 'vidq[worker]')"
     if fmt == FP8_ROWWISE:
         if device.type != "cuda":
             return f"fp8 products run on CUDA GPUs only, not {device.type}"
         capability = torch.cuda.get_device_capability(device)
         if capability < FP8_CAPABILITY:
             return f"fp8 tensor cores need compute capability 8.9 or newer, not {capability[0]}.{capability[1]}"
+        return _fp8_product_fails(torch.cuda.current_device() if device.index is None else device.index)
+    return None
+
+
+@functools.cache
+def _fp8_product_fails(index: int) -> str | None:
+    """Why this build of torch cannot run the product ``Fp8RowwiseLinear`` needs on GPU ``index``; None when it can
+    (tried once per process on a small product)."""
+    device = torch.device("cuda", index)
+    try:
+        probe = Fp8RowwiseLinear(torch.nn.Linear(32, 16, device=device, dtype=torch.bfloat16))
+        with torch.inference_mode():
+            probe(torch.ones(16, 32, device=device, dtype=torch.bfloat16))
+    except (RuntimeError, NotImplementedError) as exc:
+        return f"torch's fp8 product failed here: {str(exc).splitlines()[0][:200]}"
     return None
 
 
@@ -106,32 +122,86 @@ def _log_fallback(asked: str, runs: str, reason: str) -> None:
     log.warning("8-bit format not available; falling back", extra={"asked": asked, "runs": runs, "reason": reason})
 
 
-@functools.cache
-def torchao_installed() -> bool:
-    return importlib.util.find_spec("torchao") is not None
-
-
 def quantize_linears(module: torch.nn.Module, formats: dict[str, str]) -> Counter[str]:
-    """Quantize ``module``'s Linear layers named in ``formats`` (dotted name within ``module`` → a format of
-    ``FORMATS``; "compute" leaves the layer as it is). Returns how many layers each format got."""
-    from torchao.quantization import (
-        Float8DynamicActivationFloat8WeightConfig,
-        Int8WeightOnlyConfig,
-        PerRow,
-        quantize_,
-    )
-
-    configs = {
-        FP8_ROWWISE: lambda: Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()),
-        INT8_WEIGHT_ONLY: Int8WeightOnlyConfig,
+    """Put an 8-bit module in place of each of ``module``'s Linear layers named in ``formats`` (dotted name within
+    ``module`` → a format of ``FORMATS``; any other value leaves the layer as it is). Returns how many layers each
+    format got."""
+    kinds: dict[str, type[Fp8RowwiseLinear | Int8WeightOnlyLinear]] = {
+        FP8_ROWWISE: Fp8RowwiseLinear,
+        INT8_WEIGHT_ONLY: Int8WeightOnlyLinear,
     }
     counts: Counter[str] = Counter()
-    for fmt, make in configs.items():
-        names = {name for name, wanted in formats.items() if wanted == fmt}
-        if names:
-            quantize_(module, make(), filter_fn=lambda layer, name, names=names: _is_linear(layer) and name in names)
-            counts[fmt] = len(names)
+    for name, layer in list(linear_layers(module)):
+        kind = kinds.get(formats.get(name, ""))
+        if kind is None:
+            continue
+        parent, _, child = name.rpartition(".")
+        setattr(module.get_submodule(parent) if parent else module, child, kind(layer))
+        counts[formats[name]] += 1
     return counts
+
+
+def _rowwise(weight: torch.Tensor, largest: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` (out, in) as (values / scale, scale): one float32 scale per output row, so that each row's largest
+    magnitude maps to ``largest``."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / largest
+    return w / scale, scale
+
+
+class Fp8RowwiseLinear(torch.nn.Module):
+    """A Linear layer computing in fp8 with per-row scales of weights and activations (module docstring)."""
+
+    FP8_MAX = 448.0  # float8 e4m3's largest finite value
+    weight_fp8: torch.Tensor
+    weight_scale: torch.Tensor
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        values, scale = _rowwise(linear.weight, self.FP8_MAX)
+        self.register_buffer("weight_fp8", values.to(torch.float8_e4m3fn))  # (out, in): its transpose is column-major
+        self.register_buffer("weight_scale", scale.t().contiguous())  # (1, out) float32
+        self.bias = linear.bias  # in the compute dtype, added by the product's epilogue
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        scale = rows.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / self.FP8_MAX  # (tokens, 1)
+        quantized = (rows.float() / scale).to(torch.float8_e4m3fn)
+        out = torch._scaled_mm(
+            quantized,
+            self.weight_fp8.t(),
+            scale_a=scale,
+            scale_b=self.weight_scale,
+            bias=self.bias,
+            out_dtype=x.dtype,
+        )
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, format={FP8_ROWWISE}"
+
+
+class Int8WeightOnlyLinear(torch.nn.Module):
+    """A Linear layer whose weights are stored in int8 with per-row scales (module docstring)."""
+
+    weight_int8: torch.Tensor
+    weight_scale: torch.Tensor
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        values, scale = _rowwise(linear.weight, 127.0)
+        self.register_buffer("weight_int8", values.round().to(torch.int8))  # (out, in)
+        self.register_buffer("weight_scale", scale.to(linear.weight.dtype))  # (out, 1) in the compute dtype
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight_int8.to(x.dtype) * self.weight_scale.to(x.dtype)
+        return torch.nn.functional.linear(x, weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, format={INT8_WEIGHT_ONLY}"
 
 
 def linear_layers(module: torch.nn.Module) -> Iterable[tuple[str, torch.nn.Linear]]:

@@ -15,6 +15,7 @@ import functools
 import logging
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
@@ -161,18 +162,17 @@ class VideoPipeline:
         }
         asked = {name: self.policy.eight_bit if fmt == EIGHT_BIT else fmt for name, fmt in asked.items()}
         resolved = {fmt: resolve(fmt, self.device) for fmt in sorted(set(asked.values())) if is_eight_bit(fmt)}
-        runs = {name: resolved[fmt].runs for name, fmt in asked.items() if fmt in resolved}
-        quantize_linears(transformer, runs)
+        applied = quantize_linears(transformer, {n: resolved[f].runs for n, f in asked.items() if f in resolved})
         records = []
         for fmt, outcome in resolved.items():
-            record: dict[str, Any] = {
-                "asked": fmt,
-                "runs": outcome.runs,
-                "layers": sum(1 for name in runs if asked[name] == fmt),
-            }
-            if outcome.reason:
-                record["reason"] = outcome.reason
-            records.append(record)
+            ran = Counter(applied.get(name, "compute") for name, f in asked.items() if f == fmt)
+            for runs, layers in sorted(ran.items(), key=lambda item: -item[1]):
+                record: dict[str, Any] = {"asked": fmt, "runs": runs, "layers": layers}
+                if runs != outcome.runs:
+                    record["reason"] = "their sides are not multiples of 16, as fp8 products need"
+                elif outcome.reason:
+                    record["reason"] = outcome.reason
+                records.append(record)
         return tuple(records)
 
     def encode_texts(self, texts: list[str]) -> list[torch.Tensor]:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -67,14 +66,18 @@ def unavailable(fmt: str, device: torch.device) -> str | None:
         capability = torch.cuda.get_device_capability(device)
         if capability < FP8_CAPABILITY:
             return f"fp8 tensor cores need compute capability 8.9 or newer, not {capability[0]}.{capability[1]}"
-        return _fp8_product_fails(torch.cuda.current_device() if device.index is None else device.index)
+        return _fp8_product_fails(device)
     return None
 
 
+def _fp8_product_fails(device: torch.device) -> str | None:
+    """Why this build of torch cannot run the product ``Fp8RowwiseLinear`` needs on ``device``; None when it can
+    (tried once per process and GPU, on a small product)."""
+    return _probe_fp8(torch.cuda.current_device() if device.index is None else device.index)
+
+
 @functools.cache
-def _fp8_product_fails(index: int) -> str | None:
-    """Why this build of torch cannot run the product ``Fp8RowwiseLinear`` needs on GPU ``index``; None when it can
-    (tried once per process on a small product)."""
+def _probe_fp8(index: int) -> str | None:
     device = torch.device("cuda", index)
     try:
         probe = Fp8RowwiseLinear(torch.nn.Linear(32, 16, device=device, dtype=torch.bfloat16))
@@ -122,23 +125,25 @@ def _log_fallback(asked: str, runs: str, reason: str) -> None:
     log.warning("8-bit format not available; falling back", extra={"asked": asked, "runs": runs, "reason": reason})
 
 
-def quantize_linears(module: torch.nn.Module, formats: dict[str, str]) -> Counter[str]:
+def quantize_linears(module: torch.nn.Module, formats: dict[str, str]) -> dict[str, str]:
     """Put an 8-bit module in place of each of ``module``'s Linear layers named in ``formats`` (dotted name within
-    ``module`` → a format of ``FORMATS``; any other value leaves the layer as it is). Returns how many layers each
-    format got."""
-    kinds: dict[str, type[Fp8RowwiseLinear | Int8WeightOnlyLinear]] = {
-        FP8_ROWWISE: Fp8RowwiseLinear,
-        INT8_WEIGHT_ONLY: Int8WeightOnlyLinear,
-    }
-    counts: Counter[str] = Counter()
+    ``module`` → a format of ``FORMATS``; any other value leaves the layer as it is). A layer fp8 products cannot
+    take (a side not a multiple of 16) gets int8 weights instead. Returns the format each replaced layer got."""
+    applied: dict[str, str] = {}
     for name, layer in list(linear_layers(module)):
-        kind = kinds.get(formats.get(name, ""))
-        if kind is None:
+        fmt = formats.get(name)
+        if fmt == FP8_ROWWISE and not Fp8RowwiseLinear.fits(layer):
+            fmt = INT8_WEIGHT_ONLY
+        if fmt == FP8_ROWWISE:
+            replacement: torch.nn.Module = Fp8RowwiseLinear(layer)
+        elif fmt == INT8_WEIGHT_ONLY:
+            replacement = Int8WeightOnlyLinear(layer)
+        else:
             continue
         parent, _, child = name.rpartition(".")
-        setattr(module.get_submodule(parent) if parent else module, child, kind(layer))
-        counts[formats[name]] += 1
-    return counts
+        setattr(module.get_submodule(parent) if parent else module, child, replacement)
+        applied[name] = fmt
+    return applied
 
 
 def _rowwise(weight: torch.Tensor, largest: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,6 +160,11 @@ class Fp8RowwiseLinear(torch.nn.Module):
     FP8_MAX = 448.0  # float8 e4m3's largest finite value
     weight_fp8: torch.Tensor
     weight_scale: torch.Tensor
+
+    @staticmethod
+    def fits(linear: torch.nn.Linear) -> bool:
+        """Whether fp8 products can take the layer: both of its sides multiples of 16."""
+        return linear.in_features % 16 == 0 and linear.out_features % 16 == 0
 
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__()

@@ -14,9 +14,9 @@ A job names a tier (``precision`` on the request; the worker's ``VIDQ_WORKER_PRE
   on other GPUs and the CPU int8 weights (the GPU decides, not the job; the result says which ran). The ends of the
   network stay in the compute dtype: the patch embedding (the input), the condition embedder (the timestep and the
   prompt, which reach every token) and the output projection, and the cross-attention's keys and values (computed
-  over the prompt's 512 rows only: nothing to gain). The attention runs on an 8-bit kernel where one is installed and
-  measured faster than the bf16 kernels at an acceptable drift; none is yet on Hopper (shared/render/attention.py),
-  so it runs as in ``exact``. Its drift against a plain bf16 call is in the GPU benchmark's results.
+  over the prompt's 512 rows only: nothing to gain). Its attention runs as in ``exact``: the 8-bit kernel in
+  shared/render/fp8_attention.py measured slower than cuDNN's bf16 one on an H200, so no tier's preference names it
+  (a policy may, for benchmarks). Its drift against a plain bf16 call is in the GPU benchmark's results.
 
 ``TierPolicy`` holds the levers; ``MODULE_TABLE`` says, per weight of a Wan pipeline, which number format its
 weights and compute use under a tier (first matching pattern wins). A render's result names the tier that ran, the

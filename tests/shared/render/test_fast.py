@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from shared.render import quantize
 from shared.render.pipeline import RenderResult, VideoPipeline
 from shared.render.quantize import (
     EIGHT_BIT,
@@ -96,6 +97,13 @@ def test_the_fast_table_covers_every_weight_and_the_exact_one_has_no_8_bit_row(f
 def fake_gpu(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int]) -> torch.device:
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a test GPU")
+    monkeypatch.setattr(quantize, "_fp8_product_fails", lambda device: None)  # a GPU whose torch runs fp8 products
+    return torch.device("cuda")
+
+
+def fake_gpu_without_probe(monkeypatch: pytest.MonkeyPatch) -> torch.device:
+    """A Hopper GPU whose fp8 product probe is whatever the test set."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     return torch.device("cuda")
 
 
@@ -133,10 +141,17 @@ def test_a_format_that_cannot_run_falls_back_to_the_next_with_a_log_line(
     assert asked_fp8.runs == INT8_WEIGHT_ONLY and "need compute capability 8.9 or newer, not 8.0" in str(
         asked_fp8.reason
     )
+    monkeypatch.setattr(quantize, "_fp8_product_fails", lambda device: "torch's fp8 product failed here: no kernel")
+    broken = resolve(EIGHT_BIT, fake_gpu_without_probe(monkeypatch))
+    assert broken.runs == INT8_WEIGHT_ONLY and "no kernel" in str(broken.reason)
     unknown = resolve("int4_magic", CPU)
     assert unknown.runs == INT8_WEIGHT_ONLY and "no 8-bit format is called 'int4_magic'" in str(unknown.reason)
     fallbacks = [r for r in caplog.records if r.getMessage() == "8-bit format not available; falling back"]
-    assert {(r.asked, r.runs) for r in fallbacks} == {(FP8_ROWWISE, INT8_WEIGHT_ONLY), ("int4_magic", INT8_WEIGHT_ONLY)}
+    assert {(r.asked, r.runs) for r in fallbacks} == {
+        (FP8_ROWWISE, INT8_WEIGHT_ONLY),
+        (EIGHT_BIT, INT8_WEIGHT_ONLY),
+        ("int4_magic", INT8_WEIGHT_ONLY),
+    }
 
 
 # --- rendering -----------------------------------------------------------------------------------------------------
@@ -183,8 +198,8 @@ def test_an_8_bit_layer_computes_its_linear_to_8_bit_precision_eager_and_compile
     with torch.inference_mode():
         want = linear(x)
         module = torch.nn.Sequential(linear)
-        counts = quantize_linears(module, {"0": kind is Fp8RowwiseLinear and FP8_ROWWISE or INT8_WEIGHT_ONLY})
-        assert sum(counts.values()) == 1 and isinstance(module[0], kind)
+        fmt = FP8_ROWWISE if kind is Fp8RowwiseLinear else INT8_WEIGHT_ONLY
+        assert quantize_linears(module, {"0": fmt}) == {"0": fmt} and isinstance(module[0], kind)
         got = module(x)
         compiled = torch.compile(module, fullgraph=True)(x)
     # Per row: each token is quantized against its own largest value, so a small token keeps its precision.
@@ -201,6 +216,14 @@ def test_a_policy_naming_an_unknown_format_renders_with_the_fallback_and_says_so
     (linear,) = pipeline.generate(make_spec(steps=STEPS)).precision.linear
     assert linear["asked"] == "int4_magic" and linear["runs"] == INT8_WEIGHT_ONLY and linear["layers"] > 0
     assert "no 8-bit format is called 'int4_magic'" in linear["reason"]
+
+
+def test_a_layer_fp8_products_cannot_take_gets_int8_weights() -> None:
+    module = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.Linear(48, 24), torch.nn.Linear(24, 8))
+    applied = quantize_linears(module, {"0": FP8_ROWWISE, "1": FP8_ROWWISE, "2": "compute"})
+    assert applied == {"0": FP8_ROWWISE, "1": INT8_WEIGHT_ONLY}  # 24 is no multiple of 16
+    assert isinstance(module[0], Fp8RowwiseLinear) and isinstance(module[1], Int8WeightOnlyLinear)
+    assert type(module[2]) is torch.nn.Linear
 
 
 # --- step caching --------------------------------------------------------------------------------------------------

@@ -122,3 +122,53 @@ def test_a_model_whose_heads_flash_attention_4_has_no_kernel_for_runs_on_sdpa(ti
     )
     assert exact.pipe.transformer.config.attention_head_dim == 12 and not exact.flash4
     assert exact.generate(SPEC).precision.attention in SDPA_PREFERENCE
+
+
+def test_the_fast_tier_renders_on_the_gpu_and_says_which_8_bit_format_ran(tiny_cuda: VideoPipeline) -> None:
+    from shared.render.quantize import INT8_WEIGHT_ONLY
+
+    device = tiny_cuda.device
+    pipe = build_pipeline(TINY_WAN, device=device, dtype=torch.bfloat16)
+    policy = policy_for("fast", device=device)
+    fast = VideoPipeline(pipe, model=TINY_WAN, device=device, dtype=torch.bfloat16, policy=policy)
+    result = fast.generate(SPEC)
+    # tiny-wan's sides are not multiples of 16: on a GPU with fp8 its layers take int8 weights, and say why.
+    (record,) = result.precision.linear
+    assert record["runs"] == INT8_WEIGHT_ONLY and record["layers"] > 0 and record["reason"]
+    assert np.isfinite(result.frames).all() and result.frames.shape == tiny_cuda.generate(SPEC).frames.shape
+
+
+def test_an_fp8_layer_computes_its_linear_to_fp8_precision_eager_and_compiled() -> None:
+    from shared.render.quantize import Fp8RowwiseLinear, unavailable
+
+    device = torch.device("cuda")
+    if unavailable("fp8_e4m3_rowwise", device) is not None:
+        pytest.skip("no fp8 products on this GPU")
+    linear = torch.nn.Linear(256, 128, device=device, dtype=torch.bfloat16)
+    layer = Fp8RowwiseLinear(linear)
+    x = torch.randn(4, 77, 256, device=device, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        want = linear(x).float()
+        got = layer(x)
+        compiled = torch.compile(layer, fullgraph=True)(x)
+    assert ((got.float() - want).norm() / want.norm()) < 0.05
+    assert ((compiled.float() - got.float()).norm() / want.norm()) < 0.01
+
+
+def test_the_fp8_attention_kernel_computes_attention_to_fp8_precision() -> None:
+    from shared.render.fp8_attention import fp8_attention, fp8_attention_unavailable
+
+    device = torch.device("cuda")
+    if fp8_attention_unavailable(device, head_dim=128, dtype=torch.bfloat16) is not None:
+        pytest.skip("no fp8 on this GPU")
+    generator = torch.Generator(device=device).manual_seed(0)
+    for tokens_q, tokens_k in ((1000, 1000), (1000, 512), (4096, 4096)):
+        q = torch.randn(2, tokens_q, 12, 128, device=device, dtype=torch.bfloat16, generator=generator)
+        k, v = (
+            torch.randn(2, tokens_k, 12, 128, device=device, dtype=torch.bfloat16, generator=generator) for _ in "kv"
+        )
+        want = F.scaled_dot_product_attention(
+            q.transpose(1, 2).float(), k.transpose(1, 2).float(), v.transpose(1, 2).float()
+        )
+        got = fp8_attention(q, k, v).transpose(1, 2).float()
+        assert ((got - want).norm() / want.norm()) < 0.08  # 0.054 at Wan's shapes on an H200

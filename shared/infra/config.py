@@ -202,7 +202,8 @@ class Settings(BaseSettings):
     device: str | None = None  # "cuda", "cpu"; None = cuda if available
     cuda_dtype: Literal["bfloat16", "float16"] = "bfloat16"
     # The precision tier a worker renders a job in when the job names none (a job's own `precision` wins): exact
-    # (bf16 with kernels that keep the math) or fast (8-bit; until that path is built, fast renders as exact).
+    # (bf16 with kernels that keep the math) or fast (8-bit matrix products: fp8 where the GPU has it, else int8
+    # weights).
     worker_precision: Precision = "exact"
     # Compile the transformer's blocks (torch.compile): auto = on CUDA only (on the CPU a compile costs minutes and
     # gains little); on; off. Compiled kernels persist in worker_compile_cache_dir, so a restarted worker on the same

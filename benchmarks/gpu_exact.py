@@ -239,6 +239,7 @@ class Bench:
             return tensors
 
         self.reset_peak()
+        before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
         self.clock.sync()
         started = time.perf_counter()
         (video,) = self.pipe(
@@ -259,7 +260,10 @@ class Bench:
         self.clock.sync()
         seconds = time.perf_counter() - started
         frames = np.clip(np.rint(video[0] * 255.0), 0, 255).astype(np.uint8)
-        return {"total": seconds, "peak_gib": self.peak(), "frames": frames, "latents": last[0]}
+        peak = self.peak()
+        # What the call allocated above what was resident before it (activations, workspaces).
+        above = None if peak is None or before is None else peak - before / GIB
+        return {"total": seconds, "peak_gib": peak, "activations_gib": above, "frames": frames, "latents": last[0]}
 
     def vidq(self, pipeline: VideoPipeline, spec: GenerationSpec) -> RenderResult:
         self.reset_peak()

@@ -25,7 +25,6 @@ fixed schedule, so its speed is). The attention kernels at each shape are timed 
 from __future__ import annotations
 
 import argparse
-import copy
 import datetime as dt
 import json
 import re
@@ -34,17 +33,15 @@ import statistics
 import sys
 import tempfile
 import time
-import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from diffusers import WanPipeline
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from benchmarks.gpu_exact import GIB, NEGATIVE, PROMPT, Clock, attention_kernels, machine, psnr, timed
+from benchmarks import gpu_exact as exact_bench
+from benchmarks.gpu_exact import GIB, NEGATIVE, PROMPT, Clock, attention_kernels, machine, timed
 from shared.render.fp8_attention import FP8_ATTENTION, fp8_attention, fp8_attention_unavailable
 from shared.render.pipeline import RenderResult, VideoPipeline, tokens_per_sample
 from shared.render.precision import dtype_name, resolve_device
@@ -98,7 +95,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-class Bench:
+class Bench(exact_bench.Bench):
+    """The exact benchmark's plain call, specs and pipeline copies, with this benchmark's variants and report."""
+
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.device, self.dtype = resolve_device(args.device, cuda_dtype="bfloat16")
@@ -159,69 +158,10 @@ class Bench:
             }
             print(f"built {name}: linear {pipeline.linear}", flush=True)
 
-    def copy_pipeline(self, policy: TierPolicy) -> VideoPipeline:
-        pipe = WanPipeline(
-            tokenizer=self.pipe.tokenizer,
-            text_encoder=None,
-            transformer=copy.deepcopy(self.pipe.transformer),
-            vae=copy.deepcopy(self.pipe.vae),
-            scheduler=copy.deepcopy(self.pipe.scheduler),
-        )
-        pipe.set_progress_bar_config(disable=True)
-        return VideoPipeline(pipe, model=self.args.model, device=self.device, dtype=self.dtype, policy=policy)
-
     # --- rendering ---------------------------------------------------------------------------------------------------
 
     def spec(self, shape: str, step_cache: StepCache = "off") -> GenerationSpec:
-        height, width, frames = parse_shape(shape)
-        return GenerationSpec(
-            model=self.args.model,
-            prompt=PROMPT,
-            negative_prompt=NEGATIVE,
-            width=width,
-            height=height,
-            num_frames=frames,
-            fps=16,
-            steps=self.args.steps,
-            guidance_scale=self.args.guidance,
-            seed=self.args.seed,
-            step_cache=step_cache,
-        )
-
-    def plain(self, spec: GenerationSpec) -> dict[str, Any]:
-        """One plain ``WanPipeline.__call__``: seconds, peak memory, frames and the denoised latents."""
-        last: list[torch.Tensor] = []
-
-        def keep(_pipe: Any, index: int, _t: Any, tensors: dict[str, Any]) -> dict[str, Any]:
-            if index == spec.steps - 1:
-                last.append(tensors["latents"])
-            return tensors
-
-        self.reset_peak()
-        before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
-        self.clock.sync()
-        started = time.perf_counter()
-        (video,) = self.pipe(
-            prompt_embeds=self.embeds[:1],
-            negative_prompt_embeds=self.embeds[1:2],
-            height=spec.height,
-            width=spec.width,
-            num_frames=spec.num_frames,
-            num_inference_steps=spec.steps,
-            guidance_scale=spec.guidance_scale,
-            generator=torch.Generator(device=self.device).manual_seed(spec.seed),
-            output_type="np",
-            return_dict=False,
-            callback_on_step_end=keep,
-            callback_on_step_end_tensor_inputs=["latents"],
-            max_sequence_length=MAX_SEQUENCE_LENGTH,
-        )
-        self.clock.sync()
-        seconds = time.perf_counter() - started
-        frames = np.clip(np.rint(video[0] * 255.0), 0, 255).astype(np.uint8)
-        peak = self.peak()
-        above = None if peak is None or before is None else peak - before / GIB
-        return {"total": seconds, "activations_gib": above, "frames": frames, "latents": last[0]}
+        return super().spec(shape).model_copy(update={"step_cache": step_cache})
 
     def render(self, variant: Variant, shape: str) -> tuple[RenderResult, float | None]:
         """The variant's render, and the device memory it used above what was allocated before it (activations,
@@ -233,13 +173,6 @@ class Bench:
         result = pipeline.generate(spec, text_rows=lambda texts: [self.rows[t] for t in texts], keep_latents=True)
         above = None if before is None or result.peak_vram_bytes is None else (result.peak_vram_bytes - before) / GIB
         return result, above
-
-    def reset_peak(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-
-    def peak(self) -> float | None:
-        return torch.cuda.max_memory_allocated(self.device) / GIB if self.device.type == "cuda" else None
 
     # --- one shape ---------------------------------------------------------------------------------------------------
 
@@ -322,12 +255,8 @@ class Bench:
                 "attention": record["attention"],
                 "linear": record.get("linear", []),
                 "step_cache": record.get("step_cache"),
-                "drift": drift(reference, last),
+                "drift": self.drift(reference, last),
             }
-
-    def fail(self, phase: str, exc: BaseException) -> None:
-        traceback.print_exc()
-        self.report["errors"].append({"phase": phase, "error": f"{type(exc).__name__}: {exc}"[:2000]})
 
     # --- output ------------------------------------------------------------------------------------------------------
 
@@ -401,18 +330,6 @@ def _stored_bytes(tensor: torch.Tensor) -> int:
         return tensor.numel() * tensor.element_size()
     names, _ = flatten()
     return sum(_stored_bytes(getattr(tensor, name)) for name in names)
-
-
-def drift(plain: dict[str, Any], result: RenderResult) -> dict[str, float]:
-    assert result.latents is not None
-    diff = (result.latents.float() - plain["latents"].float()).abs()
-    return {
-        "latents_max_abs": float(diff.max()),
-        "latents_mean_abs": float(diff.mean()),
-        "latents_abs_max": float(plain["latents"].float().abs().max()),
-        "frames_psnr_db": psnr(result.frames, plain["frames"]),
-        "frames_max_abs": int(np.abs(result.frames.astype(np.int16) - plain["frames"]).max()),
-    }
 
 
 def markdown(report: dict[str, Any]) -> str:

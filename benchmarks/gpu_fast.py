@@ -31,7 +31,6 @@ import re
 import shlex
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -41,15 +40,14 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks import gpu_exact as exact_bench
-from benchmarks.gpu_exact import GIB, NEGATIVE, PROMPT, Clock, attention_kernels, machine, timed
+from benchmarks.gpu_exact import GIB, Clock, attention_kernels, machine, timed
 from shared.render.fp8_attention import FP8_ATTENTION, fp8_attention, fp8_attention_unavailable
 from shared.render.pipeline import RenderResult, VideoPipeline, tokens_per_sample
 from shared.render.precision import dtype_name, resolve_device
 from shared.render.quantize import INT8_WEIGHT_ONLY
-from shared.render.registry import WAN21_13B_ARCH, build_pipeline
-from shared.render.text import MAX_SEQUENCE_LENGTH, pad, texts_of
+from shared.render.registry import WAN21_13B_ARCH
 from shared.render.tiers import TierPolicy, policy_for
-from shared.render.warmup import use_compile_cache, warm_up
+from shared.render.warmup import warm_up
 from shared.spec import GenerationSpec, StepCache, parse_shape
 
 
@@ -130,18 +128,7 @@ class Bench(exact_bench.Bench):
         }
 
     def build(self) -> None:
-        started = time.perf_counter()
-        self.pipe = build_pipeline(self.args.model, device=self.device, dtype=self.dtype)
-        self.pipe.set_progress_bar_config(disable=True)
-        plain_vidq = VideoPipeline(self.pipe, model=self.args.model, device=self.device, dtype=self.dtype)
-        texts = list(texts_of(PROMPT, NEGATIVE, self.args.guidance))
-        rows = plain_vidq.encode_texts(texts)
-        self.rows = dict(zip(texts, rows, strict=True))
-        self.embeds = pad(rows, max_sequence_length=MAX_SEQUENCE_LENGTH, device=self.device)
-        self.clock.sync()
-        self.report["build_s"] = time.perf_counter() - started
-        # An empty compile cache: each pipeline's first warm-up is the cold compile a first worker pays.
-        use_compile_cache(tempfile.mkdtemp(prefix="vidq-compile-"))
+        self.build_plain()
         wanted = {v.pipeline for v in self.variants}
         self.pipelines: dict[str, VideoPipeline] = {}
         for name, policy in self.policies().items():

@@ -545,8 +545,9 @@ class VideoPipeline:
                 uncond, cond = run(torch.cat([model_input, model_input]), t, text).chunk(2)
             return uncond + spec.guidance_scale * (cond - uncond)
 
+        moments = timesteps.tolist()  # as numbers, read once: one read per step would wait on the GPU each step
         for index, t in enumerate(timesteps):
-            noise = predictor.output(index, float(t), functools.partial(guided_noise, t))
+            noise = predictor.output(index, moments[index], functools.partial(guided_noise, t))
             latents = pipe.scheduler.step(noise, t, latents, return_dict=False)[0]
             if not after_step(index + 1, len(timesteps)):
                 break

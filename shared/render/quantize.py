@@ -43,7 +43,6 @@ FP8_CAPABILITY = (8, 9)  # fp8 tensor cores: Ada (8.9), Hopper (9.0), Blackwell 
 class Resolved:
     """What a table's format became on this device: the format that runs, and why it is not the one asked for."""
 
-    asked: str
     runs: str  # a name of FORMATS, or "compute" (the layer keeps the compute dtype)
     reason: str | None = None  # why ``runs`` differs from ``asked``
 
@@ -110,7 +109,7 @@ def resolve(asked: str, device: torch.device) -> Resolved:
         failed.append(f"{fmt}: {reason}")
     if failed:
         _log_fallback(asked, runs, "; ".join(failed))
-    return Resolved(asked, runs, "; ".join(notes + failed) or None)
+    return Resolved(runs, "; ".join(notes + failed) or None)
 
 
 def _describe(device: torch.device) -> str:

@@ -159,13 +159,11 @@ def resolve_tier(requested: Precision | None, default: Precision) -> tuple[Preci
     return BUILT[0], f"{wanted!r} is not available yet; rendered as {BUILT[0]!r}"
 
 
-def tensor_format(
-    tier: Precision, name: str, *, compute: str, vae: str, ran: Mapping[str, str] = MappingProxyType({})
-) -> str:
+def tensor_format(tier: Precision, name: str, *, compute: str, vae: str) -> str:
     """The number format of the weight ``name`` (dotted, in the pipeline: ``transformer.blocks.3.attn1.to_q.weight``)
-    under ``tier``: the first matching row of ``MODULE_TABLE``, with the formats in use filled in (``applied_table``);
-    with no ``ran``, an 8-bit row gives the format the table asks for."""
-    for pattern, fmt in applied_table(tier, compute=compute, vae=vae, ran=ran):
+    under ``tier``: the first matching row of ``MODULE_TABLE``, with ``compute``/``vae`` naming the dtypes in use; an
+    8-bit row gives the format the table asks for."""
+    for pattern, fmt in applied_table(tier, compute=compute, vae=vae):
         if fnmatchcase(name, pattern):
             return fmt
     raise LookupError(f"no row of the {tier!r} table covers {name!r}")

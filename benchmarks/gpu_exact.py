@@ -471,13 +471,17 @@ class Bench:
 
     # --- output ----------------------------------------------------------------------------------------------------
 
+    @staticmethod
+    def markdown(report: dict[str, Any]) -> str:
+        return markdown(report)
+
     def write(self) -> None:
         out: Path = self.args.out
         out.mkdir(parents=True, exist_ok=True)
         gpu = re.sub(r"[^a-z0-9]+", "_", self.report["machine"]["gpu"].lower().replace("nvidia", "")).strip("_")
-        stem = f"gpu_exact_{gpu}_{dt.date.today():%Y%m%d}{self.args.tag}"
+        stem = f"{self.report['benchmark']}_{gpu}_{dt.date.today():%Y%m%d}{self.args.tag}"
         (out / f"{stem}.json").write_text(json.dumps(self.report, indent=2, default=str) + "\n")
-        (out / f"{stem}.md").write_text(markdown(self.report))
+        (out / f"{stem}.md").write_text(self.markdown(self.report))
 
 
 def kernel_kind(name: str) -> str:
@@ -534,20 +538,7 @@ def markdown(report: dict[str, Any]) -> str:
             f"{e['attention_ran']} | {d['latents_max_abs']:.4g} (of {d['latents_abs_max']:.3g}) | "
             f"{d['frames_psnr_db']:.1f} | {v['frames_psnr_db']:.1f} |"
         )
-    lines += [
-        "",
-        "| shape | attention kernel | ms (batch 2) | TFLOP/s | SDPA's default | max abs diff from SDPA's default |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
-    for shape, e in report["shapes"].items():
-        for k in e.get("attention_kernels", []):
-            if "ms" in k:
-                lines.append(
-                    f"| {shape} | {k['backend']} | {k['ms']:.2f} | {k['tflop_s']:.0f} "
-                    f"| {'yes' if k['default'] else ''} | {k.get('max_abs_diff', float('nan')):.3g} |"
-                )
-            else:
-                lines.append(f"| {shape} | {k['backend']} | — | {k['error']} | | |")
+    lines += attention_table(report)
     if report["ablation"]:
         lines += [
             "",
@@ -582,12 +573,49 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(f"\nerror in {error['phase']}: {error['error'][:300]}")
     lines += [
         "",
-        f"Build {report.get('build_s', 0):.1f} s. Machine: {m['gpu']}, driver {m.get('driver', '-')}, CUDA "
-        f"{m.get('cuda', '-')}, cuDNN {m.get('cudnn', '-')}, torch {m['torch']}, diffusers {m['diffusers']}, "
-        f"transformers {m['transformers']}, Python {m['python']}.",
+        machine_line(report),
         "Drift is measured on random weights (their output is noise): a lower bound of what trained weights show.",
     ]
     return "\n".join(lines) + "\n"
+
+
+def attention_table(report: dict[str, Any]) -> list[str]:
+    """The attention kernels timed at each shape (``attention_kernels``), as Markdown lines; a column of relative
+    error against float32 attention where a row has one."""
+    rows = [(shape, k) for shape, e in report["shapes"].items() for k in e.get("attention_kernels", [])]
+    if not rows:
+        return []
+    relative = any("rel_l2_vs_fp32" in k for _, k in rows)
+    extra = " relative L2 error vs float32 |" if relative else ""
+    lines = [
+        "",
+        "| shape | attention kernel | ms (batch 2) | TFLOP/s | SDPA's default | max abs diff from SDPA's default |"
+        + extra,
+        "| --- | --- | --- | --- | --- | --- |" + (" --- |" if relative else ""),
+    ]
+    for shape, k in rows:
+        cell = ""
+        if "rel_l2_vs_fp32" in k:
+            cell = f" {k['rel_l2_vs_fp32']:.4f} (bf16 default: {k['bf16_default_rel_l2_vs_fp32']:.4f}) |"
+        elif relative:
+            cell = " |"
+        if "ms" in k:
+            lines.append(
+                f"| {shape} | {k['backend']} | {k['ms']:.2f} | {k['tflop_s']:.0f} "
+                f"| {'yes' if k['default'] else ''} | {k.get('max_abs_diff', float('nan')):.3g} |{cell}"
+            )
+        else:
+            lines.append(f"| {shape} | {k['backend']} | — | {k['error']} | | |{' |' if relative else ''}")
+    return lines
+
+
+def machine_line(report: dict[str, Any]) -> str:
+    m = report["machine"]
+    return (
+        f"Build {report.get('build_s', 0):.1f} s. Machine: {m['gpu']}, driver {m.get('driver', '-')}, CUDA "
+        f"{m.get('cuda', '-')}, cuDNN {m.get('cudnn', '-')}, torch {m['torch']}, diffusers {m['diffusers']}, "
+        f"transformers {m['transformers']}, Python {m['python']}."
+    )
 
 
 def _num(value: float | None) -> str:

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
-import re
 import shlex
 import statistics
 import sys
@@ -247,13 +245,9 @@ class Bench(exact_bench.Bench):
 
     # --- output ------------------------------------------------------------------------------------------------------
 
-    def write(self) -> None:
-        out: Path = self.args.out
-        out.mkdir(parents=True, exist_ok=True)
-        gpu = re.sub(r"[^a-z0-9]+", "_", self.report["machine"]["gpu"].lower().replace("nvidia", "")).strip("_")
-        stem = f"gpu_fast_{gpu}_{dt.date.today():%Y%m%d}{self.args.tag}"
-        (out / f"{stem}.json").write_text(json.dumps(self.report, indent=2, default=str) + "\n")
-        (out / f"{stem}.md").write_text(markdown(self.report))
+    @staticmethod
+    def markdown(report: dict[str, Any]) -> str:
+        return markdown(report)
 
 
 def fp8_attention_row(pipe: Any, shape: str, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
@@ -289,12 +283,6 @@ def fp8_attention_row(pipe: Any, shape: str, device: torch.device, dtype: torch.
         }
     except Exception as exc:
         return {"backend": FP8_ATTENTION, "error": str(exc).splitlines()[0][:200], "default": False}
-
-
-def _rel(row: dict[str, Any]) -> str:
-    if "rel_l2_vs_fp32" not in row:
-        return ""
-    return f"{row['rel_l2_vs_fp32']:.4f} (bf16 default: {row['bf16_default_rel_l2_vs_fp32']:.4f})"
 
 
 def _gib(value: float | None) -> str:
@@ -355,42 +343,16 @@ def markdown(report: dict[str, Any]) -> str:
                 f"{d['latents_max_abs']:.4g} (of {d['latents_abs_max']:.3g}) | {d['frames_psnr_db']:.1f} | "
                 f"{'' if warm is None else round(warm, 1)} |"
             )
-    kernels = [(shape, k) for shape, e in report["shapes"].items() for k in e.get("attention_kernels", [])]
-    if kernels:
-        lines += [
-            "",
-            "| shape | attention kernel | ms (batch 2) | TFLOP/s | SDPA's default | max abs diff from SDPA's default "
-            "| relative L2 error vs float32 |",
-            "| --- | --- | --- | --- | --- | --- | --- |",
-        ]
-        for shape, k in kernels:
-            if "error" in k:
-                lines.append(f"| {shape} | {k['backend']} | not run: {k['error']} | | | | |")
-                continue
-            lines.append(
-                f"| {shape} | {k['backend']} | {k['ms']:.2f} | {k['tflop_s']:.0f} | {'yes' if k['default'] else ''} "
-                f"| {k['max_abs_diff']:.3g} | {_rel(k)} |"
-            )
+    lines += exact_bench.attention_table(report)
     if report["errors"]:
         lines += ["", "Errors:", *[f"- {e['phase']}: {e['error'][:300]}" for e in report["errors"]]]
-    lines += [
-        "",
-        f"Build {report.get('build_s', 0):.1f} s. Machine: {m['gpu']}, driver {m.get('driver', '-')}, CUDA "
-        f"{m.get('cuda', '-')}, cuDNN {m.get('cudnn', '-')}, torch {m['torch']}, diffusers {m['diffusers']}, "
-        f"transformers {m['transformers']}, torchao {m.get('torchao', '-')}, Python {m['python']}.",
-    ]
+    lines += ["", exact_bench.machine_line(report)]
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     bench = Bench(args)
-    try:
-        import torchao
-
-        bench.report["machine"]["torchao"] = torchao.__version__
-    except ImportError:
-        bench.report["machine"]["torchao"] = "not installed"
     bench.build()
     bench.write()
     for shape in args.shapes:

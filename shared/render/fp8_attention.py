@@ -32,10 +32,10 @@ from typing import Any
 
 import torch
 
+from shared.render.quantize import FP8_CAPABILITY, FP8_MAX
+
 FP8_ATTENTION = "FP8_ATTENTION"  # the kernel's name in a tier's attention preference and in results
 BLOCK = 128  # tokens per scale block of Q and K, per program of queries, and the padding of every sequence
-FP8_MAX = 448.0  # float8 e4m3's largest finite value
-FP8_CAPABILITY = (8, 9)
 
 
 def fp8_attention_unavailable(device: torch.device, *, head_dim: int, dtype: torch.dtype) -> str | None:

@@ -37,6 +37,7 @@ INT8_WEIGHT_ONLY = "int8_weight_only"
 EIGHT_BIT = "linear8"  # in a tier's table: this device's 8-bit format for the layer
 FORMATS = (FP8_ROWWISE, INT8_WEIGHT_ONLY)  # the 8-bit formats, fastest first: each falls back to the next
 FP8_CAPABILITY = (8, 9)  # fp8 tensor cores: Ada (8.9), Hopper (9.0), Blackwell (10.x, 12.x)
+FP8_MAX = 448.0  # float8 e4m3's largest finite value
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +157,6 @@ def _rowwise(weight: torch.Tensor, largest: float) -> tuple[torch.Tensor, torch.
 class Fp8RowwiseLinear(torch.nn.Module):
     """A Linear layer computing in fp8 with per-row scales of weights and activations (module docstring)."""
 
-    FP8_MAX = 448.0  # float8 e4m3's largest finite value
     weight_fp8: torch.Tensor
     weight_scale: torch.Tensor
 
@@ -168,14 +168,14 @@ class Fp8RowwiseLinear(torch.nn.Module):
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        values, scale = _rowwise(linear.weight, self.FP8_MAX)
+        values, scale = _rowwise(linear.weight, FP8_MAX)
         self.register_buffer("weight_fp8", values.to(torch.float8_e4m3fn))  # (out, in): its transpose is column-major
         self.register_buffer("weight_scale", scale.t().contiguous())  # (1, out) float32
         self.bias = linear.bias  # in the compute dtype, added by the product's epilogue
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        scale = rows.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / self.FP8_MAX  # (tokens, 1)
+        scale = rows.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX  # (tokens, 1)
         quantized = (rows.float() / scale).to(torch.float8_e4m3fn)
         out = torch._scaled_mm(
             quantized,

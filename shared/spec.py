@@ -133,9 +133,14 @@ class GenerationSpec(BaseModel):
         """The stored form (``jobs.spec``, JSON): every field, except an optional one (one with a default) at its
         default (a job that names no precision, does not allow degrading or uses no step cache is stored, and keyed,
         as before the field existed)."""
-        fields = type(self).model_fields.items()
-        unset = {name for name, field in fields if not field.is_required() and getattr(self, name) == field.default}
+        unset = {name for name in type(self).model_fields if self.left_out(name, getattr(self, name))}
         return self.model_dump(mode="json", exclude=unset)
+
+    @classmethod
+    def left_out(cls, name: str, value: object) -> bool:
+        """Whether the stored form leaves field ``name`` out at ``value``: an optional field at its default."""
+        field = cls.model_fields[name]
+        return not field.is_required() and value == field.default
 
     def batch_key(self) -> dict[str, Any]:
         """What videos must share to render in one batch: the model, the precision tier asked for, the step cache, the

@@ -178,7 +178,7 @@ def claim_riders(
     session.execute(_LOCK, {"klass": klass.value})
     # As jobs.spec stores it: an optional field at its default is left out (a job that names no precision, uses no
     # step cache), so the key's such fields must be absent from a rider's spec.
-    absent = [name for name, value in key.items() if _at_stored_default(name, value)]
+    absent = [name for name, value in key.items() if GenerationSpec.left_out(name, value)]
     present = {name: value for name, value in key.items() if name not in absent}
     params = {"klass": klass.value, "key": json.dumps(present), "absent": absent, "n": limit}
     rows = session.execute(_RIDERS, params).all()
@@ -189,9 +189,3 @@ def claim_riders(
             charge(session, klass, row.tenant_id, weights=weights, moves_clock=False)  # a turn of its own
             claimed.append(job)
     return claimed
-
-
-def _at_stored_default(name: str, value: object) -> bool:
-    """Whether a batch key's field ``name`` is an optional field of the spec at its default (not stored)."""
-    field = GenerationSpec.model_fields[name]
-    return not field.is_required() and value == field.default

@@ -437,16 +437,17 @@ class Bench:
                     torch.cuda.empty_cache()
             self.write()
 
-    def profile(self, shape: str) -> None:
-        """GPU time of one exact render (2 steps) by kernel kind, and its busiest kernels."""
+    def profile(self, shape: str, pipeline: VideoPipeline | None = None, spec: GenerationSpec | None = None) -> None:
+        """GPU time of one render (2 steps; by default exact's) by kernel kind, and its busiest kernels."""
         from torch.profiler import ProfilerActivity, profile
 
-        spec = self.spec(shape).model_copy(update={"steps": 2})
-        warm_up(self.exact, [shape], guidance_scale=self.args.guidance)
-        self.vidq(self.exact, spec)
+        pipeline = pipeline or self.exact
+        spec = (spec or self.spec(shape)).model_copy(update={"steps": 2})
+        warm_up(pipeline, [shape], guidance_scale=self.args.guidance)
+        self.vidq(pipeline, spec)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
         with profile(activities=activities) as prof:
-            result = self.vidq(self.exact, spec)
+            result = self.vidq(pipeline, spec)
         kinds: dict[str, float] = {}
         kernels = []
         for event in prof.key_averages():
@@ -462,7 +463,7 @@ class Bench:
             "steps": 2,
             "wall_s": result.timings_s,
             "by_kind_s": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
-            "top": kernels[:25],
+            "top": kernels[:40],
         }
 
     def fail(self, phase: str, exc: BaseException) -> None:
@@ -553,22 +554,7 @@ def markdown(report: dict[str, Any]) -> str:
                 )
             else:
                 lines.append(f"| {a['variant']} | {a.get('skipped', 'failed')} | | | |")
-    if "profile" in report:
-        p = report["profile"]
-        total = sum(p["by_kind_s"].values())
-        lines += [
-            "",
-            f"GPU time of one exact render at {p['shape']} ({p['steps']} steps, profiled): {total:.3f} s of kernels; "
-            f"wall {p['wall_s'].get('total', 0):.3f} s (denoise {p['wall_s'].get('denoise', 0):.3f} s).",
-            "",
-            "| kernel kind | s | share |",
-            "| --- | --- | --- |",
-            *(f"| {k} | {s:.3f} | {s / total:.1%} |" for k, s in p["by_kind_s"].items()),
-            "",
-            "| busiest kernels | kind | s | calls |",
-            "| --- | --- | --- | --- |",
-            *(f"| `{k['kernel'][:90]}` | {k['kind']} | {k['s']:.4f} | {k['calls']} |" for k in p["top"][:15]),
-        ]
+    lines += profile_table(report)
     for error in report["errors"]:
         lines.append(f"\nerror in {error['phase']}: {error['error'][:300]}")
     lines += [
@@ -577,6 +563,28 @@ def markdown(report: dict[str, Any]) -> str:
         "Drift is measured on random weights (their output is noise): a lower bound of what trained weights show.",
     ]
     return "\n".join(lines) + "\n"
+
+
+def profile_table(report: dict[str, Any]) -> list[str]:
+    """The profiled render's GPU time by kernel kind and its busiest kernels, as Markdown lines (none unprofiled)."""
+    if "profile" not in report:
+        return []
+    p = report["profile"]
+    total = sum(p["by_kind_s"].values())
+    return [
+        "",
+        f"GPU time of one {p.get('variant', 'exact')} render at {p['shape']} ({p['steps']} steps, profiled): "
+        f"{total:.3f} s of kernels; wall {p['wall_s'].get('total', 0):.3f} s "
+        f"(denoise {p['wall_s'].get('denoise', 0):.3f} s).",
+        "",
+        "| kernel kind | s | share |",
+        "| --- | --- | --- |",
+        *(f"| {k} | {s:.3f} | {s / total:.1%} |" for k, s in p["by_kind_s"].items()),
+        "",
+        "| busiest kernels | kind | s | calls |",
+        "| --- | --- | --- | --- |",
+        *(f"| `{k['kernel'][:90]}` | {k['kind']} | {k['s']:.4f} | {k['calls']} |" for k in p["top"][:15]),
+    ]
 
 
 def attention_table(report: dict[str, Any]) -> list[str]:

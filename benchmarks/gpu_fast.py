@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import functools
 import shlex
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -39,7 +41,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks import gpu_exact as exact_bench
 from benchmarks.gpu_exact import GIB, Clock, attention_kernels, machine, timed
-from shared.render.fp8_attention import FP8_ATTENTION, fp8_attention, fp8_attention_unavailable
+from shared.render import fp8_attention_cudnn as cudnn_fp8
+from shared.render.fp8_attention import (
+    CUDNN_FP8_ATTENTION,
+    FP8_ATTENTION,
+    FP8_KERNELS,
+    fp8_attention,
+    fp8_attention_unavailable,
+)
 from shared.render.pipeline import RenderResult, VideoPipeline, tokens_per_sample
 from shared.render.precision import dtype_name, resolve_device
 from shared.render.quantize import INT8_WEIGHT_ONLY
@@ -61,8 +70,9 @@ VARIANTS = (
     Variant("fast", "fast"),
     Variant("fast+taylor2", "fast", "taylor2"),
     Variant("fast+taylor3", "fast", "taylor3"),
+    Variant("fast+cudnnfp8", "fast_cudnnfp8"),
+    Variant("fast+cudnnfp8+taylor3", "fast_cudnnfp8", "taylor3"),
     Variant("fast+fp8attn", "fast_fp8attn"),
-    Variant("fast+fp8attn+taylor3", "fast_fp8attn", "taylor3"),
     Variant("int8", "int8"),
 )
 
@@ -77,6 +87,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--runs", type=int, default=2, help="timed runs per variant and shape")
     parser.add_argument("--variants", default=",".join(v.name for v in VARIANTS), help="comma-separated")
     parser.add_argument("--skip-attention", action="store_true", help="do not time the attention kernels")
+    parser.add_argument("--attention-only", action="store_true", help="time the attention kernels, render nothing")
+    parser.add_argument("--profile", metavar="VARIANT", help="GPU time by kernel kind of 2 steps of VARIANT")
     parser.add_argument("--tag", default="", help="appended to the results' file names")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto", help="as VIDQ_WORKER_COMPILE")
@@ -88,6 +100,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.variants = [name for name in args.variants.split(",") if name]
     if unknown := set(args.variants) - known:
         parser.error(f"unknown variants {sorted(unknown)}; known: {sorted(known)}")
+    if args.profile and args.profile not in known:
+        parser.error(f"--profile names no variant; known: {sorted(known)}")
+    pipelines = {v.pipeline for v in VARIANTS if v.name in {*args.variants, args.profile}}
+    if {"fast_cudnnfp8", "fast_fp8attn"} <= pipelines:
+        parser.error("one process routes fp8 attention to one kernel: run the cudnnfp8 and fp8attn variants apart")
     return args
 
 
@@ -117,17 +134,19 @@ class Bench(exact_bench.Bench):
 
     def policies(self) -> dict[str, TierPolicy]:
         fast = policy_for("fast", device=self.device, compile_mode=self.args.compile)
-        without = tuple(kernel for kernel in fast.attention if kernel != FP8_ATTENTION)
+        without = tuple(kernel for kernel in fast.attention if kernel not in FP8_KERNELS)
         return {
             "exact": policy_for("exact", device=self.device, compile_mode=self.args.compile),
             "fast": replace(fast, attention=without),
+            "fast_cudnnfp8": replace(fast, attention=(CUDNN_FP8_ATTENTION, *without)),
             "fast_fp8attn": replace(fast, attention=(FP8_ATTENTION, *without)),
             "int8": replace(fast, eight_bit=INT8_WEIGHT_ONLY, attention=without),
         }
 
     def build(self) -> None:
         self.build_plain()
-        wanted = {v.pipeline for v in self.variants}
+        wanted = {v.pipeline for v in VARIANTS if v.name == self.args.profile}
+        wanted |= set() if self.args.attention_only else {v.pipeline for v in self.variants}
         self.pipelines: dict[str, VideoPipeline] = {}
         for name, policy in self.policies().items():
             if name not in wanted:
@@ -168,8 +187,10 @@ class Bench(exact_bench.Bench):
         )
         if not self.args.skip_attention and "attention_kernels" not in entry:
             entry["attention_kernels"] = attention_kernels(self.pipe, shape, self.device, self.dtype)
-            entry["attention_kernels"].append(fp8_attention_row(self.pipe, shape, self.device, self.dtype))
+            entry["attention_kernels"] += fp8_attention_rows(self.pipe, shape, self.device, self.dtype)
             self.write()
+        if self.args.attention_only:
+            return
         warm: dict[str, float] = {}
         for name, pipeline in list(self.pipelines.items()):
             try:
@@ -250,39 +271,66 @@ class Bench(exact_bench.Bench):
         return markdown(report)
 
 
-def fp8_attention_row(pipe: Any, shape: str, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
-    """The fp8 kernel at the self-attention's shape, as ``attention_kernels`` reports the others, with its error
-    relative to float32 attention (and the bf16 default's, for scale)."""
+def fp8_attention_rows(pipe: Any, shape: str, device: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
+    """The fp8 kernels at the self-attention's shape, as ``attention_kernels`` reports the others, each with its
+    error relative to float32 attention (and the bf16 default's, for scale). cuDNN's is timed twice: as the
+    compiled blocks run it (its quantization compiled around the operator) and its operator alone."""
     config = pipe.transformer.config
     heads, head_dim = config.num_attention_heads, config.attention_head_dim
-    reason = fp8_attention_unavailable(device, head_dim=head_dim, dtype=dtype)
-    if reason is not None:
-        return {"backend": FP8_ATTENTION, "error": reason, "default": False}
+    reasons = {
+        name: fp8_attention_unavailable(device, head_dim=head_dim, dtype=dtype, kernel=name) for name in FP8_KERNELS
+    }
+    rows: list[dict[str, Any]] = [{"backend": n, "error": r, "default": False} for n, r in reasons.items() if r]
+    if len(rows) == len(reasons):
+        return rows
     tokens = tokens_per_sample(pipe, *parse_shape(shape))
     generator = torch.Generator(device=device).manual_seed(0)
     q, k, v = (
         torch.randn((2, tokens, heads, head_dim), device=device, dtype=dtype, generator=generator) for _ in range(3)
     )
+    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+    default = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh).transpose(1, 2).float()
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+        exact = torch.nn.functional.scaled_dot_product_attention(qh.float(), kh.float(), vh.float()).transpose(1, 2)
     flop = 4 * 2 * heads * tokens * tokens * head_dim
-    try:
-        seconds = timed(lambda: fp8_attention(q, k, v), device, reps=5)
-        out = fp8_attention(q, k, v).float()
-        qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
-        default = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh).transpose(1, 2).float()
-        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
-            exact = torch.nn.functional.scaled_dot_product_attention(qh.float(), kh.float(), vh.float())
-        exact = exact.transpose(1, 2)
-        return {
-            "backend": FP8_ATTENTION,
-            "ms": seconds * 1e3,
-            "tflop_s": flop / seconds / 1e12,
-            "default": False,
-            "max_abs_diff": float((out - default).abs().max()),
-            "rel_l2_vs_fp32": float((out - exact).norm() / exact.norm()),
-            "bf16_default_rel_l2_vs_fp32": float((default - exact).norm() / exact.norm()),
-        }
-    except Exception as exc:
-        return {"backend": FP8_ATTENTION, "error": str(exc).splitlines()[0][:200], "default": False}
+    kernels: dict[str, Callable[[], torch.Tensor]] = {
+        FP8_ATTENTION: lambda: fp8_attention(q, k, v),
+        CUDNN_FP8_ATTENTION: torch.compile(functools.partial(cudnn_fp8.attention, q, k, v), fullgraph=True),
+    }
+    for name, kernel in kernels.items():
+        if reasons[name]:
+            continue
+        try:
+            seconds = timed(kernel, device, reps=5)
+            out = kernel().float()
+            rows.append(
+                {
+                    "backend": name,
+                    "ms": seconds * 1e3,
+                    "tflop_s": flop / seconds / 1e12,
+                    "default": False,
+                    "max_abs_diff": float((out - default).abs().max()),
+                    "rel_l2_vs_fp32": float((out - exact).norm() / exact.norm()),
+                    "bf16_default_rel_l2_vs_fp32": float((default - exact).norm() / exact.norm()),
+                }
+            )
+            if name == CUDNN_FP8_ATTENTION:
+                rows.append(cudnn_operator_row(q, k, v, flop, device))
+        except Exception as exc:
+            rows.append({"backend": name, "error": str(exc).splitlines()[0][:200], "default": False})
+    return rows
+
+
+def cudnn_operator_row(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flop: float, device: torch.device
+) -> dict[str, Any]:
+    """cuDNN's fp8 operator alone, on inputs already in fp8: what the attention itself costs."""
+    one = torch.ones((1, 1, 1, 1), device=device)
+    q8, k8, v8 = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
+    seconds = timed(
+        lambda: torch.ops.vidq.cudnn_fp8_attention(q8, k8, v8, one, one, one, one, 0.0883883), device, reps=5
+    )
+    return {"backend": f"{CUDNN_FP8_ATTENTION} (operator alone)", "ms": seconds * 1e3, "tflop_s": flop / seconds / 1e12}
 
 
 def _gib(value: float | None) -> str:
@@ -344,6 +392,7 @@ def markdown(report: dict[str, Any]) -> str:
                 f"{'' if warm is None else round(warm, 1)} |"
             )
     lines += exact_bench.attention_table(report)
+    lines += exact_bench.profile_table(report)
     if report["errors"]:
         lines += ["", "Errors:", *[f"- {e['phase']}: {e['error'][:300]}" for e in report["errors"]]]
     lines += ["", exact_bench.machine_line(report)]
@@ -360,6 +409,15 @@ def main(argv: list[str] | None = None) -> int:
             bench.shape(shape)
         except Exception as exc:
             bench.fail(f"shape {shape}", exc)
+        bench.write()
+    if args.profile:
+        variant = next(v for v in VARIANTS if v.name == args.profile)
+        try:
+            shape = args.shapes[0]
+            bench.profile(shape, bench.pipelines[variant.pipeline], bench.spec(shape, variant.step_cache))
+            bench.report["profile"]["variant"] = variant.name
+        except Exception as exc:
+            bench.fail(f"profile {variant.name}", exc)
         bench.write()
     print(markdown(bench.report))
     return 1 if bench.report["errors"] else 0

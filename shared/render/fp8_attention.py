@@ -1,26 +1,29 @@
-"""An 8-bit attention kernel for the fast tier: softmax attention with both of its products on fp8 tensor cores.
+"""8-bit attention for the fast tier: softmax attention with both of its products on fp8 tensor cores.
 
 Q·Kᵀ and P·V run in float8 (e4m3) with float32 accumulation, where bf16 kernels run them in bf16; on fp8 tensor cores
-each product has twice the bf16 rate. The scaling keeps what 8 bits can hold:
+each product has twice the bf16 rate. Two kernels, each a name a tier's attention preference can hold:
 
-* Q and K: one scale per 128 tokens of each head (an outlier token costs only its block). K is first smoothed: its
-  mean over the tokens is subtracted per head and channel, which shifts every score of a query by the same amount and
-  so leaves the softmax unchanged, while it takes the shared offset out of what the 8 bits must represent.
-  The softmax scale (and log2 e, for exp2) is folded into Q's scale.
-* P (the softmax's numerators, in [0, 1]): scaled by 448, e4m3's largest value, before its product.
-* V: one scale per channel of each head, applied to the output.
+* ``CUDNN_FP8_ATTENTION`` — cuDNN's fused fp8 attention (shared/render/fp8_attention_cudnn.py, through the
+  ``nvidia-cudnn-frontend`` package): one scale per tensor, K smoothed by its mean.
+* ``FP8_ATTENTION`` — vidq's own kernel, written in Triton (below and shared/render/fp8_attention_kernel.py):
 
-The kernel is written in Triton (``_forward``): FlashAttention's online softmax over blocks of keys, one program per
-128 queries of one head. The quantization around it is plain torch (one pass over q, k and v, a few percent of the
-attention's time at Wan's shapes). It is reached as the ``torch.ops.vidq.fp8_attention`` operator, so compiled
-transformer blocks call it as one opaque kernel, through the backend diffusers names ``sage_hub`` (diffusers' slot for
-8-bit attention, whose kernel it otherwise downloads from the Hugging Face Hub), for the self-attentions of a policy
-whose attention preference names ``FP8_ATTENTION``.
+  * Q and K: one scale per 128 tokens of each head (an outlier token costs only its block). K is first smoothed:
+    its mean over the tokens is subtracted per head and channel, which shifts every score of a query by the same
+    amount and so leaves the softmax unchanged, while it takes the shared offset out of what the 8 bits must
+    represent. The softmax scale (and log2 e, for exp2) is folded into Q's scale.
+  * P (the softmax's numerators, in [0, 1]): scaled by 448, e4m3's largest value, before its product.
+  * V: one scale per channel of each head, applied to the output.
 
-No tier names it: on an H200 it ran 386 TFLOP/s at 14,040 tokens and 533 at 32,760, where cuDNN's bf16 kernel runs
-600 and 549, with a relative error of 0.054 against float32 attention (cuDNN's bf16: 0.0023); benchmarks/gpu_fast.py
-measures it beside the others. It lacks what makes FlashAttention 3/4 and cuDNN fast on Hopper: warp-specialised
-producer and consumer warps and tensor-memory-accelerator loads.
+  FlashAttention's online softmax over blocks of keys, one program per 128 queries of one head. On an H200 it ran
+  386 TFLOP/s at 14,040 tokens and 533 at 32,760, where cuDNN's bf16 kernel runs 600 and 549, with a relative error
+  of 0.054 against float32 attention (cuDNN's bf16: 0.0023): it lacks what makes FlashAttention 3/4 and cuDNN fast
+  on Hopper (warp-specialised producer and consumer warps, tensor-memory-accelerator loads). It stays as the 8-bit
+  attention of machines without the cuDNN package, and benchmarks/gpu_fast.py measures both.
+
+Either is reached through the backend diffusers names ``sage_hub`` (diffusers' slot for 8-bit attention, whose
+kernel it otherwise downloads from the Hugging Face Hub), for the self-attentions only (the cross-attentions' 512
+keys leave nothing to gain): compiled transformer blocks call it as one opaque operator. The slot is one per
+process, so a process routes all its fp8 attention to one of the two kernels, the last one routed.
 """
 
 from __future__ import annotations
@@ -32,15 +35,22 @@ from typing import Any
 
 import torch
 
+from shared.render import fp8_attention_cudnn
 from shared.render.quantize import FP8_CAPABILITY, FP8_MAX
 
-FP8_ATTENTION = "FP8_ATTENTION"  # the kernel's name in a tier's attention preference and in results
+FP8_ATTENTION = "FP8_ATTENTION"  # vidq's Triton kernel, by its name in a tier's attention preference and in results
+CUDNN_FP8_ATTENTION = "CUDNN_FP8_ATTENTION"  # cuDNN's
+FP8_KERNELS = (CUDNN_FP8_ATTENTION, FP8_ATTENTION)
 BLOCK = 128  # tokens per scale block of Q and K, per program of queries, and the padding of every sequence
 
 
-def fp8_attention_unavailable(device: torch.device, *, head_dim: int, dtype: torch.dtype) -> str | None:
-    """Why the kernel cannot run a model's attention (heads of ``head_dim``, in ``dtype``) on ``device``; None when
-    it can."""
+def fp8_attention_unavailable(
+    device: torch.device, *, head_dim: int, dtype: torch.dtype, kernel: str = FP8_ATTENTION
+) -> str | None:
+    """Why ``kernel`` (one of ``FP8_KERNELS``) cannot run a model's attention (heads of ``head_dim``, in ``dtype``)
+    on ``device``; None when it can."""
+    if kernel not in FP8_KERNELS:
+        return f"no fp8 attention kernel is called {kernel!r} (known: {', '.join(FP8_KERNELS)})"
     if device.type != "cuda":
         return f"it runs on CUDA GPUs only, not {device.type}"
     if dtype not in (torch.bfloat16, torch.float16):
@@ -48,6 +58,8 @@ def fp8_attention_unavailable(device: torch.device, *, head_dim: int, dtype: tor
     capability = torch.cuda.get_device_capability(device)
     if capability < FP8_CAPABILITY:
         return f"fp8 tensor cores need compute capability 8.9 or newer, not {capability[0]}.{capability[1]}"
+    if kernel == CUDNN_FP8_ATTENTION:
+        return fp8_attention_cudnn.unavailable(device, head_dim=head_dim)
     if head_dim not in (64, 128):
         return f"its kernel is built for head sizes 64 and 128, not {head_dim}"
     if importlib.util.find_spec("triton") is None:
@@ -127,12 +139,17 @@ def _kernel() -> Any:
     return fp8_attention_kernel.forward()
 
 
-def use_fp8_attention(transformer: torch.nn.Module, *, names: tuple[str, ...] = ("attn1",)) -> int:
+def use_fp8_attention(
+    transformer: torch.nn.Module, *, kernel: str = FP8_ATTENTION, names: tuple[str, ...] = ("attn1",)
+) -> int:
     """Route the attentions of ``transformer`` whose module name ends in one of ``names`` (by default the
-    self-attentions: the cross-attentions' 512 keys leave nothing to gain) to the fp8 kernel. Returns how many."""
-    from diffusers.models.attention_dispatch import AttentionBackendName
+    self-attentions) to ``kernel``, one of ``FP8_KERNELS``. Returns how many."""
+    from diffusers.models.attention_dispatch import _HUB_KERNELS_REGISTRY, AttentionBackendName
 
     install_fp8_attention()
+    _HUB_KERNELS_REGISTRY[AttentionBackendName.SAGE_HUB].kernel_fn = (
+        _as_sage_cudnn if kernel == CUDNN_FP8_ATTENTION else _as_sage
+    )
     routed = 0
     for name, module in transformer.named_modules():
         processor = getattr(module, "processor", None)
@@ -144,10 +161,7 @@ def use_fp8_attention(transformer: torch.nn.Module, *, names: tuple[str, ...] = 
 
 @functools.cache
 def install_fp8_attention() -> None:
-    """Define ``torch.ops.vidq.fp8_attention`` (once per process) and put it where diffusers' ``sage_hub`` backend
-    looks for its Hub download."""
-    from diffusers.models.attention_dispatch import _HUB_KERNELS_REGISTRY, AttentionBackendName
-
+    """Define ``torch.ops.vidq.fp8_attention``, the Triton kernel's operator (once per process)."""
     schema = "(Tensor q, Tensor k, Tensor v, float? softmax_scale) -> Tensor"
 
     @torch.library.custom_op("vidq::fp8_attention", mutates_args=(), schema=schema)
@@ -157,8 +171,6 @@ def install_fp8_attention() -> None:
     @operator.register_fake
     def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None) -> torch.Tensor:
         return torch.empty_like(q)
-
-    _HUB_KERNELS_REGISTRY[AttentionBackendName.SAGE_HUB].kernel_fn = _as_sage
 
 
 def _as_sage(
@@ -170,8 +182,27 @@ def _as_sage(
     sm_scale: float | None = None,
     return_lse: bool = False,
 ) -> torch.Tensor:
-    """The kernel as diffusers' ``sage_hub`` backend calls it: (batch, tokens, heads, head_dim) in and out."""
-    if tensor_layout != "NHD" or is_causal or return_lse:
-        raise ValueError("vidq's fp8 attention runs non-causal attention in the NHD layout, without the LSE")
+    """The Triton kernel as diffusers' ``sage_hub`` backend calls it: (batch, tokens, heads, head_dim) in and out."""
+    _check_call(tensor_layout, is_causal, return_lse)
     out: torch.Tensor = torch.ops.vidq.fp8_attention(q, k, v, sm_scale)
     return out
+
+
+def _as_sage_cudnn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    tensor_layout: str = "NHD",
+    is_causal: bool = False,
+    sm_scale: float | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor:
+    """cuDNN's kernel as diffusers' ``sage_hub`` backend calls it; its quantization is traced into the compiled
+    blocks, the operator stays opaque."""
+    _check_call(tensor_layout, is_causal, return_lse)
+    return fp8_attention_cudnn.attention(q, k, v, sm_scale)
+
+
+def _check_call(tensor_layout: str, is_causal: bool, return_lse: bool) -> None:
+    if tensor_layout != "NHD" or is_causal or return_lse:
+        raise ValueError("vidq's fp8 attention runs non-causal attention in the NHD layout, without the LSE")

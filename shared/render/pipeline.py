@@ -28,7 +28,7 @@ from diffusers.pipelines.pipeline_utils import DiffusionPipeline  # the root re-
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from shared.render.attention import FLASH_ATTENTION_4, SDPA_PREFERENCE, flash4_unavailable, use_flash4
-from shared.render.fp8_attention import FP8_ATTENTION, fp8_attention_unavailable, use_fp8_attention
+from shared.render.fp8_attention import FP8_KERNELS, fp8_attention_unavailable, use_fp8_attention
 from shared.render.precision import dtype_name
 from shared.render.quantize import EIGHT_BIT, linear_layers, quantize_linears, resolve
 from shared.render.step_cache import StepPredictor, preset
@@ -111,7 +111,7 @@ class VideoPipeline:
         self.encoder = pipeline_text_encoder(pipe, self.identity)  # None: built without one (remote text encoding)
         self.policy = policy or eager_policy()
         self.flash4 = False  # the transformer's attention runs on FlashAttention 4 (else on SDPA)
-        self.fp8_attention = False  # its self-attention runs on the fp8 kernel (shared/render/fp8_attention.py)
+        self.fp8_attention: str | None = None  # the 8-bit kernel its self-attention runs on (fp8_attention.py)
         self.linear: tuple[dict[str, Any], ...] = ()  # the 8-bit layers: what the table asked, what runs, how many
         self._apply_policy()
         # (tokens per sample, batch) the transformer has run: compiled blocks compile for another one first (logged).
@@ -135,13 +135,16 @@ class VideoPipeline:
                 self.flash4 = use_flash4(transformer) > 0
             else:
                 log.info("FlashAttention 4 not used; attention runs on SDPA", extra={"reason": reason})
-        if FP8_ATTENTION in policy.attention and transformer is not None:  # the self-attentions; the rest as above
+        for kernel in [k for k in policy.attention if k in FP8_KERNELS]:
+            # The self-attentions, on the first 8-bit kernel of the preference that runs here; the rest as above.
+            if transformer is None:
+                break
             head_dim = transformer.config.attention_head_dim
-            reason = fp8_attention_unavailable(self.device, head_dim=head_dim, dtype=self.dtype)
+            reason = fp8_attention_unavailable(self.device, head_dim=head_dim, dtype=self.dtype, kernel=kernel)
             if reason is None:
-                self.fp8_attention = use_fp8_attention(transformer) > 0
-            else:
-                log.warning("fp8 attention not used; falling back", extra={"reason": reason})
+                self.fp8_attention = kernel if use_fp8_attention(transformer, kernel=kernel) else None
+                break
+            log.warning("fp8 attention not used; falling back", extra={"kernel": kernel, "reason": reason})
         if policy.compile_blocks and transformer is not None:
             # Static shapes: each (tokens, batch) gets its own kernels, compiled once and kept in the compile cache.
             _raise_recompile_limit()
@@ -463,7 +466,7 @@ class VideoPipeline:
         tokens = tokens_per_sample(self.pipe, spec.height, spec.width, spec.num_frames)
         batch = members * (2 if guided and not (members == 1 and two_passes) else 1)
         if self.fp8_attention:
-            self._attention_by_shape[tokens, batch] = FP8_ATTENTION
+            self._attention_by_shape[tokens, batch] = self.fp8_attention
         elif self.flash4:
             self._attention_by_shape[tokens, batch] = FLASH_ATTENTION_4
         elif (tokens, batch) not in self._attention_by_shape:

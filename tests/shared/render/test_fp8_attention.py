@@ -132,7 +132,7 @@ def test_compiled_blocks_reach_it_through_diffusers_dispatcher_as_one_operator()
     pipe = build_pipeline(TINY_WAN, device=CPU, dtype=torch.float32, text_encoder=True)
     compiled = VideoPipeline(pipe, model=TINY_WAN, device=CPU, dtype=torch.float32, policy=policy)
     routed = use_fp8_attention(pipe.transformer)  # as the pipeline routes it on a GPU with fp8
-    compiled.fp8_attention = True
+    compiled.fp8_attention = "FP8_ATTENTION"
     torch._dynamo.utils.counters.clear()
     result = compiled.generate(make_spec())
     assert not torch._dynamo.utils.counters["graph_break"]

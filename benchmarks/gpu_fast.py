@@ -72,6 +72,7 @@ VARIANTS = (
     Variant("fast+taylor3", "fast", "taylor3"),
     Variant("fast+cudnnfp8", "fast_cudnnfp8"),
     Variant("fast+cudnnfp8+taylor3", "fast_cudnnfp8", "taylor3"),
+    Variant("fast+cudnnfp8+taylor4", "fast_cudnnfp8", "taylor4"),
     Variant("fast+fp8attn", "fast_fp8attn"),
     Variant("int8", "int8"),
 )
@@ -330,7 +331,12 @@ def cudnn_operator_row(
     seconds = timed(
         lambda: torch.ops.vidq.cudnn_fp8_attention(q8, k8, v8, one, one, one, one, 0.0883883), device, reps=5
     )
-    return {"backend": f"{CUDNN_FP8_ATTENTION} (operator alone)", "ms": seconds * 1e3, "tflop_s": flop / seconds / 1e12}
+    return {
+        "backend": f"{CUDNN_FP8_ATTENTION} (operator alone)",
+        "default": False,
+        "ms": seconds * 1e3,
+        "tflop_s": flop / seconds / 1e12,
+    }
 
 
 def _gib(value: float | None) -> str:

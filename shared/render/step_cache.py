@@ -49,6 +49,7 @@ class StepCachePreset:
 PRESETS: dict[StepCache, StepCachePreset] = {
     "taylor2": StepCachePreset("taylor2", warmup=4, interval=2, tail=1),  # 13 of 20 steps computed
     "taylor3": StepCachePreset("taylor3", warmup=4, interval=3, tail=1),  # 10 of 20
+    "taylor4": StepCachePreset("taylor4", warmup=4, interval=4, tail=1),  # 8 of 20
 }
 assert set(PRESETS) == set(STEP_CACHES) - {"off"}, "every step cache a job may name has a preset"
 

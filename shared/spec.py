@@ -67,8 +67,8 @@ STEP_CACHES: tuple[StepCache, ...] = ("off", "taylor2", "taylor3", "taylor4")
 STEP_CACHE_DESCRIPTION = (
     "skip the transformer on some denoising steps and predict its output there from the steps computed before "
     "(first-order Taylor extrapolation): 'off' (the default), 'taylor2' (the transformer runs on every 2nd step after "
-    "the first four, and on the last), 'taylor3' (every 3rd), 'taylor4' (every 4th). Faster by about the share of steps skipped; it changes "
-    "the video, and by how much depends on the model's trained weights"
+    "the first four, and on the last), 'taylor3' (every 3rd), 'taylor4' (every 4th). Faster by about the share of "
+    "steps skipped; it changes the video, and by how much depends on the model's trained weights"
 )
 ALLOW_DEGRADED_DESCRIPTION = (
     "true: when this job's model and shape are failing on the worker (their circuit breaker is open) or the GPU runs "

@@ -98,7 +98,8 @@ WORKDIR /app
 
 COPY pyproject.toml README.md ./
 # flash4: the exact tier's attention on Hopper/Blackwell (FlashAttention 4); other GPUs run SDPA's kernels.
-RUN python3 -m pip --python /opt/venv/bin/python install --constraint /opt/base-torch.txt ".[worker,flash4]"
+# fp8attn: the fast tier's self-attention on cuDNN's fp8 kernel (GPUs with fp8 tensor cores).
+RUN python3 -m pip --python /opt/venv/bin/python install --constraint /opt/base-torch.txt ".[worker,flash4,fp8attn]"
 COPY shared ./shared
 COPY services ./services
 COPY tools ./tools

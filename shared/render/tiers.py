@@ -14,9 +14,13 @@ A job names a tier (``precision`` on the request; the worker's ``VIDQ_WORKER_PRE
   on other GPUs and the CPU int8 weights (the GPU decides, not the job; the result says which ran). The ends of the
   network stay in the compute dtype: the patch embedding (the input), the condition embedder (the timestep and the
   prompt, which reach every token) and the output projection, and the cross-attention's keys and values (computed
-  over the prompt's 512 rows only: nothing to gain). Its attention runs as in ``exact``: the 8-bit kernel in
-  shared/render/fp8_attention.py measured slower than cuDNN's bf16 one on an H200, so no tier's preference names it
-  (a policy may, for benchmarks). Its drift against a plain bf16 call is in the GPU benchmark's results.
+  over the prompt's 512 rows only: nothing to gain). Its self-attention runs in 8 bits too, on cuDNN's fused fp8
+  kernel where the GPU has fp8 and the ``nvidia-cudnn-frontend`` package is installed (shared/render/fp8_attention.py,
+  ``pip install 'vidq[fp8attn]'``), else as in ``exact``. On an H200 that kernel, its quantization included, ran 766
+  and 780 TFLOP/s at 14,040 and 32,760 tokens, where cuDNN's bf16 kernel runs 611 and 571 and FlashAttention 4 699
+  and 677, and the frames' PSNR against a plain call stayed where the 8-bit GEMMs put it (44.0 and 43.7 dB). vidq's
+  own Triton fp8 kernel measured slower than bf16, so no tier's preference names it (a policy may, for benchmarks).
+  Its drift against a plain bf16 call is in the GPU benchmark's results.
 
 ``TierPolicy`` holds the levers; ``MODULE_TABLE`` says, per weight of a Wan pipeline, which number format its
 weights and compute use under a tier (first matching pattern wins). A render's result names the tier that ran, the
@@ -34,6 +38,7 @@ from typing import Any
 import torch
 
 from shared.render.attention import FLASH_ATTENTION_4, SDPA_PREFERENCE
+from shared.render.fp8_attention import CUDNN_FP8_ATTENTION
 from shared.render.quantize import EIGHT_BIT
 from shared.spec import PRECISIONS, Precision
 
@@ -83,6 +88,8 @@ MODULE_TABLE: dict[Precision, tuple[tuple[str, str], ...]] = {
 # Attention kernels in order of preference: the first that can run on the device, the call's shape and dtype is used
 # (shared/render/attention.py). The SDPA names are SDPA's own backends.
 ATTENTION_PREFERENCE = (FLASH_ATTENTION_4, *SDPA_PREFERENCE)
+# The fast tier's: cuDNN's fp8 kernel for the self-attentions first (the others then run as in ATTENTION_PREFERENCE).
+FAST_ATTENTION_PREFERENCE = (CUDNN_FP8_ATTENTION, *ATTENTION_PREFERENCE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,8 +142,9 @@ def policy_for(
         vae_dtype="bfloat16" if cuda else "float32",
         # One set of graphs per frame size, whatever the video's length (shared/render/pipeline.py).
         compile_vae=compiled,
-        # FlashAttention 4 where it runs (Hopper, Blackwell, the package installed), else SDPA's preference.
-        attention=ATTENTION_PREFERENCE if cuda else SDPA_PREFERENCE,
+        # FlashAttention 4 where it runs (Hopper, Blackwell, the package installed), else SDPA's preference; the fast
+        # tier's self-attentions on cuDNN's fp8 kernel before those.
+        attention=(FAST_ATTENTION_PREFERENCE if tier == "fast" else ATTENTION_PREFERENCE) if cuda else SDPA_PREFERENCE,
         # Off: on an H200 the autotuner's choice decoded no faster than cuDNN's heuristics (0.705 s against 0.704 at
         # 480×832×33), and its timing runs again on every new thread.
         conv_autotune=False,

@@ -10,8 +10,10 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from shared.render.fp8_attention import FP8_MAX, fp8_attention_unavailable, quantize, use_fp8_attention
 from shared.render.registry import TINY_WAN, build_pipeline
@@ -139,3 +141,89 @@ def test_compiled_blocks_reach_it_through_diffusers_dispatcher_as_one_operator()
     assert len(calls) == routed * make_spec().steps  # each self-attention once per step, both passes batched
     assert result.precision.attention == "FP8_ATTENTION"
     assert np.abs(result.frames.astype(np.int16) - expected.frames).max() <= 1
+
+
+# --- cuDNN's fp8 attention: the quantization around it, on the CPU with the operator's reference implementation ---
+
+
+def test_cudnns_kernel_is_used_only_where_it_can_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shared.render import fp8_attention_cudnn
+    from shared.render.fp8_attention import CUDNN_FP8_ATTENTION
+
+    def why(head_dim: int = 128) -> str:
+        return str(fp8_attention_unavailable(cuda, head_dim=head_dim, dtype=torch.bfloat16, kernel=CUDNN_FP8_ATTENTION))
+
+    cuda = torch.device("cuda")
+    assert "CUDA GPUs only" in str(
+        fp8_attention_unavailable(CPU, head_dim=128, dtype=torch.bfloat16, kernel=CUDNN_FP8_ATTENTION)
+    )
+    assert "no fp8 attention kernel is called 'SAGE2'" in str(
+        fp8_attention_unavailable(cuda, head_dim=128, dtype=torch.bfloat16, kernel="SAGE2")
+    )
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 6))
+    assert "8.9 or newer, not 8.6" in why()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert "multiples of 16 up to 256, not 12" in why(12)
+    monkeypatch.setattr(fp8_attention_cudnn.importlib.util, "find_spec", lambda name: None)
+    assert "nvidia-cudnn-frontend package is not installed" in why()
+
+
+def test_cudnns_quantization_computes_attention_to_fp8_precision_eager_and_compiled() -> None:
+    from shared.render import fp8_attention_cudnn
+
+    torch.manual_seed(0)
+    for b, nq, nk, h, d in ((2, 300, 300, 3, 128), (1, 200, 77, 2, 64)):
+        q, k, v = (torch.randn(b, n, h, d, dtype=torch.bfloat16) for n in (nq, nk, nk))
+        k = k + 3.0  # a shared offset: without the smoothing it would take most of K's 8 bits
+        want = F.scaled_dot_product_attention(*(t.transpose(1, 2).float() for t in (q, k, v))).transpose(1, 2)
+        got = fp8_attention_cudnn.attention(q, k, v)
+        assert got.shape == q.shape and got.dtype == torch.bfloat16 and got.is_contiguous()
+        assert ((got.float() - want).norm() / want.norm()) < 0.08  # 8-bit P and output; bf16 would be ~0.003
+        compiled = torch.compile(fp8_attention_cudnn.attention, fullgraph=True)(q, k, v)
+        assert torch.equal(compiled, got)
+        # The operator sees fp8 inputs that use e4m3's range, each scaled by its largest magnitude.
+        ones = fp8_attention_cudnn.attention(q, k, torch.ones_like(v))
+        assert ones.float().min() > 0.95 and ones.float().max() < 1.05
+
+
+def test_compiled_blocks_reach_cudnns_kernel_through_diffusers_dispatcher_as_one_operator() -> None:
+    """The GPU's route on the CPU: the operator's CPU implementation (the reference) counts its calls."""
+    from dataclasses import replace
+
+    from shared.render import fp8_attention_cudnn
+    from shared.render.fp8_attention import CUDNN_FP8_ATTENTION
+    from shared.render.pipeline import VideoPipeline
+    from shared.render.tiers import policy_for
+    from tests.shared.render.test_registry import make_spec
+
+    calls: list[torch.dtype] = []
+
+    def counting(q: torch.Tensor, *args: object) -> torch.Tensor:
+        calls.append(q.dtype)
+        return fp8_attention_cudnn.reference(q, *args)  # type: ignore[arg-type]
+
+    policy = replace(policy_for("exact", device=CPU, compile_mode="on"), compile_vae=False)
+    reference = VideoPipeline(
+        build_pipeline(TINY_WAN, device=CPU, dtype=torch.float32, text_encoder=True),
+        model=TINY_WAN,
+        device=CPU,
+        dtype=torch.float32,
+        policy=policy,
+    ).generate(make_spec())
+    pipe = build_pipeline(TINY_WAN, device=CPU, dtype=torch.float32, text_encoder=True)
+    compiled = VideoPipeline(pipe, model=TINY_WAN, device=CPU, dtype=torch.float32, policy=policy)
+    routed = use_fp8_attention(pipe.transformer, kernel=CUDNN_FP8_ATTENTION)
+    compiled.fp8_attention = CUDNN_FP8_ATTENTION
+    torch.library.register_kernel("vidq::cudnn_fp8_attention", "cpu", counting)
+    try:
+        torch._dynamo.utils.counters.clear()
+        result = compiled.generate(make_spec())
+    finally:
+        torch.library.register_kernel("vidq::cudnn_fp8_attention", "cpu", fp8_attention_cudnn.reference)
+        use_fp8_attention(pipe.transformer)  # the slot back to its default kernel for the other tests
+    assert not torch._dynamo.utils.counters["graph_break"]
+    assert calls == [torch.float8_e4m3fn] * (routed * make_spec().steps)  # once per self-attention and step
+    assert result.precision.attention == CUDNN_FP8_ATTENTION
+    # Noise from random weights, through 8-bit attention: close to the bf16 frames, not equal to them.
+    diff = np.abs(result.frames.astype(np.int16) - reference.frames)
+    assert 0 < diff.mean() < 8

@@ -172,3 +172,50 @@ def test_the_fp8_attention_kernel_computes_attention_to_fp8_precision() -> None:
         )
         got = fp8_attention(q, k, v).transpose(1, 2).float()
         assert ((got - want).norm() / want.norm()) < 0.08  # 0.054 at Wan's shapes on an H200
+
+
+def test_cudnns_fp8_attention_computes_attention_to_fp8_precision_and_as_its_reference() -> None:
+    from shared.render import fp8_attention_cudnn
+    from shared.render.fp8_attention import CUDNN_FP8_ATTENTION, fp8_attention_unavailable
+
+    device = torch.device("cuda")
+    reason = fp8_attention_unavailable(device, head_dim=128, dtype=torch.bfloat16, kernel=CUDNN_FP8_ATTENTION)
+    if reason is not None:
+        pytest.skip(reason)
+    generator = torch.Generator(device=device).manual_seed(0)
+    # Tokens not a multiple of any tile; a cross-attention's 512 keys; a batch of one.
+    for batch, tokens_q, tokens_k in ((2, 1000, 1000), (2, 1000, 512), (1, 4100, 4100)):
+        q = torch.randn(batch, tokens_q, 12, 128, device=device, dtype=torch.bfloat16, generator=generator)
+        k, v = (
+            torch.randn(batch, tokens_k, 12, 128, device=device, dtype=torch.bfloat16, generator=generator)
+            for _ in "kv"
+        )
+        k = k + 1.5  # a shared offset, which the smoothing takes out
+        want = F.scaled_dot_product_attention(
+            q.transpose(1, 2).float(), k.transpose(1, 2).float(), v.transpose(1, 2).float()
+        ).transpose(1, 2)
+        got = fp8_attention_cudnn.attention(q, k, v)
+        assert got.shape == q.shape and got.dtype == torch.bfloat16
+        assert ((got.float() - want).norm() / want.norm()) < 0.08  # 0.060 at Wan's shapes on an H200
+        # The operator against its CPU reference, on the same fp8 inputs.
+        q8, k8, v8 = (t.to(torch.float8_e4m3fn) for t in (q, k - k.mean(dim=1, keepdim=True), v))
+        one = torch.ones((1, 1, 1, 1), device=device)
+        args = (q8, k8, v8, one, one, one, one, 128**-0.5)
+        on_gpu = torch.ops.vidq.cudnn_fp8_attention(*args).float()
+        on_cpu = fp8_attention_cudnn.reference(*(a.cpu() if isinstance(a, torch.Tensor) else a for a in args))
+        assert ((on_gpu.cpu() - on_cpu.float()).norm() / on_cpu.float().norm()) < 0.05
+
+
+def test_the_fast_tier_runs_its_self_attention_on_cudnns_fp8_kernel_where_it_can(tiny_cuda: VideoPipeline) -> None:
+    from shared.render.fp8_attention import CUDNN_FP8_ATTENTION, fp8_attention_unavailable
+
+    device = tiny_cuda.device
+    pipe = build_pipeline(TINY_WAN, device=device, dtype=torch.bfloat16)
+    head_dim = pipe.transformer.config.attention_head_dim
+    fast = VideoPipeline(
+        pipe, model=TINY_WAN, device=device, dtype=torch.bfloat16, policy=policy_for("fast", device=device)
+    )
+    result = fast.generate(SPEC)
+    reason = fp8_attention_unavailable(device, head_dim=head_dim, dtype=torch.bfloat16, kernel=CUDNN_FP8_ATTENTION)
+    assert (result.precision.attention == CUDNN_FP8_ATTENTION) == (reason is None), reason
+    assert np.isfinite(result.frames).all()

@@ -70,6 +70,9 @@ def test_the_levers_follow_the_device_the_compile_setting_and_the_memory_mode() 
     assert on_gpu.compile_vae and on_gpu.attention == ATTENTION_PREFERENCE and on_gpu.attention[0] == FLASH_ATTENTION_4
     assert not policy_for("exact", device=cuda, compile_mode="off").compile_vae
     assert on_cpu.attention == SDPA_PREFERENCE  # FlashAttention 4 has no CPU kernel
+    # The fast tier's self-attentions: cuDNN's fp8 kernel first, then what exact runs; on the CPU SDPA's only.
+    assert policy_for("fast", device=cuda).attention == ("CUDNN_FP8_ATTENTION", *ATTENTION_PREFERENCE)
+    assert policy_for("fast", device=CPU).attention == SDPA_PREFERENCE
     streamed = policy_for("exact", device=cuda, memory_mode="low_vram")
     assert not (streamed.compile_blocks or streamed.compile_vae or streamed.fused_qkv or streamed.cfg_batch)
     assert eager_policy() == replace(on_cpu, fused_qkv=False, cfg_batch=False)

@@ -52,12 +52,14 @@ Steps = Annotated[int, Field(ge=1)]
 GuidanceScale = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 Seed = Annotated[int, Field(ge=0, le=2**32 - 1)]
 # The GPU render's numeric tier (shared/render/tiers.py). exact: bf16 with kernels that keep the math. fast: the
-# transformer's matrix products in 8 bits (fp8 where the GPU has it, int8 weights elsewhere).
+# transformer's matrix products in 8 bits (fp8 where the GPU has it, int8 weights elsewhere), its self-attention in
+# fp8 where the GPU has it.
 Precision = Literal["exact", "fast"]
 PRECISIONS: tuple[Precision, ...] = ("exact", "fast")
 PRECISION_DESCRIPTION = (
     "the render's numeric tier: 'exact' (bf16 with kernels that keep the math) or 'fast' (8-bit matrix products in "
-    "the transformer: fp8 on GPUs that have it, int8 weights on others; the result names what ran). Null or left "
+    "the transformer: fp8 on GPUs that have it, int8 weights on others; self-attention in fp8 where the GPU has it; "
+    "the result names what ran). Null or left "
     "out: the worker's default (VIDQ_WORKER_PRECISION, 'exact' unless the operator changes it)"
 )
 # Step caching (shared/render/step_cache.py): "off", or a preset that skips the transformer on some denoising steps

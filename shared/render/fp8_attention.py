@@ -17,8 +17,8 @@ each product has twice the bf16 rate. Two kernels, each a name a tier's attentio
   FlashAttention's online softmax over blocks of keys, one program per 128 queries of one head. On an H200 it ran
   386 TFLOP/s at 14,040 tokens and 533 at 32,760, where cuDNN's bf16 kernel runs 600 and 549, with a relative error
   of 0.054 against float32 attention (cuDNN's bf16: 0.0023): it lacks what makes FlashAttention 3/4 and cuDNN fast
-  on Hopper (warp-specialised producer and consumer warps, tensor-memory-accelerator loads). It stays as the 8-bit
-  attention of machines without the cuDNN package, and benchmarks/gpu_fast.py measures both.
+  on Hopper (warp-specialised producer and consumer warps, tensor-memory-accelerator loads), so no tier's preference
+  names it (a policy may; benchmarks/gpu_fast.py measures it beside cuDNN's, which ran 766 and 780 TFLOP/s there).
 
 Either is reached through the backend diffusers names ``sage_hub`` (diffusers' slot for 8-bit attention, whose
 kernel it otherwise downloads from the Hugging Face Hub), for the self-attentions only (the cross-attentions' 512

@@ -94,10 +94,10 @@ def test_an_unknown_step_cache_is_refused_at_parse_naming_the_field_and_the_pres
         JobCreate.model_validate({"prompt": "x", "step_cache": step_cache})
     (error,) = caught.value.errors()
     assert error["loc"] == ("step_cache",)
-    assert "step_cache must be one of 'off', 'taylor2', 'taylor3'" in error["msg"]
+    assert "step_cache must be one of 'off', 'taylor2', 'taylor3', 'taylor4'" in error["msg"]
 
 
-@pytest.mark.parametrize("step_cache", ["off", "taylor2", "taylor3"])
+@pytest.mark.parametrize("step_cache", ["off", "taylor2", "taylor3", "taylor4"])
 def test_a_step_cache_goes_into_the_spec_as_asked(step_cache: str) -> None:
     body = JobCreate.model_validate({"prompt": "x", "step_cache": step_cache})
     assert body.to_spec(SETTINGS).step_cache == step_cache

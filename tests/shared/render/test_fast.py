@@ -233,6 +233,7 @@ def test_a_preset_computes_the_first_steps_every_nth_after_them_and_the_last() -
     taylor2, taylor3 = PRESETS["taylor2"], PRESETS["taylor3"]
     assert [i for i in range(20) if taylor3.computes(i, 20)] == [0, 1, 2, 3, 4, 7, 10, 13, 16, 19]
     assert taylor2.computed_steps(20) == 13 and taylor3.computed_steps(20) == 10
+    assert [i for i in range(20) if PRESETS["taylor4"].computes(i, 20)] == [0, 1, 2, 3, 4, 8, 12, 16, 19]
     assert taylor3.computed_steps(3) == 3  # too few steps to skip any
     assert preset("off") is None
     with pytest.raises(ValueError, match="unknown step cache"):

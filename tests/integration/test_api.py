@@ -90,7 +90,7 @@ def test_an_unknown_step_cache_is_a_422_that_names_it_and_its_presets(client, se
     r = client.post("/v1/jobs", json={**TINY, "step_cache": "always"})
     assert r.status_code == 422, r.text
     error = r.json()["error"]
-    assert error["message"] == "step_cache must be one of 'off', 'taylor2', 'taylor3'"
+    assert error["message"] == "step_cache must be one of 'off', 'taylor2', 'taylor3', 'taylor4'"
     assert [d["loc"] for d in error["details"]] == [["body", "step_cache"]]
     assert job_count(settings) == 0
 
@@ -154,7 +154,7 @@ def test_openapi_documents_precision(api_url):
     assert "precision" not in schemas["JobCreate"].get("required", [])
     for name in ("JobCreate", "JobOut"):
         field = schemas[name]["properties"]["step_cache"]
-        assert field["enum"] == ["off", "taylor2", "taylor3"] and field["default"] == "off", (name, field)
+        assert field["enum"] == ["off", "taylor2", "taylor3", "taylor4"] and field["default"] == "off", (name, field)
         assert "depends on the model's trained weights" in field["description"], name
 
 

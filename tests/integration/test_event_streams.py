@@ -36,6 +36,7 @@ def _start_api(procs: ProcessGroup, name: str, *, resync_s: float) -> str:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**procs.env, "VIDQ_PUBLIC_BASE_URL": url, "VIDQ_EVENTS_RESYNC_S": str(resync_s)}
+    env["PGAPPNAME"] = _application_name(url)  # libpq names its connections: Postgres tells them from others
     argv = vidq_argv("api", "--no-migrate", "--port", str(port))
     procs.procs[name] = ManagedProcess(argv, log_path=procs.log_path(name), name=name, env=env, spawn=procs.spawn)
     wait_http(f"{url}/readyz", timeout_s=60, group=procs)
@@ -68,12 +69,18 @@ def stream_client(pubsub_api: str, tenant_key: dict[str, str]) -> Iterator[httpx
         yield c
 
 
-def _pg_connections(settings: Any) -> tuple[int, int]:
-    """(connections, of which idle in a transaction) to this session's database, not counting this query's."""
+def _application_name(api_url: str) -> str:
+    return f"vidq-test-api-{api_url.rsplit(':', 1)[1]}"
+
+
+def _pg_connections(settings: Any, api_url: str) -> tuple[int, int]:
+    """(connections, of which idle in a transaction) of the API at ``api_url`` to this session's database: only its
+    own, as the session's other processes (workers, sweepers, the tests) share the database."""
     with psycopg.connect(str(settings.database_url).replace("+psycopg", ""), connect_timeout=5) as conn:
         row = conn.execute(
             "SELECT count(*), count(*) FILTER (WHERE state = 'idle in transaction') FROM pg_stat_activity"
-            " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            " WHERE datname = current_database() AND application_name = %s",
+            (_application_name(api_url),),
         ).fetchone()
     assert row is not None
     return int(row[0]), int(row[1])
@@ -189,7 +196,7 @@ def test_open_streams_hold_no_database_connection_while_other_requests_answer(pu
                 r = await http.post("/v1/jobs", json=TINY)
                 assert r.status_code == 202, r.text
                 jobs.append(r.json()["id"])
-            baseline, _ = _pg_connections(settings)
+            baseline, _ = _pg_connections(settings, pubsub_api)
 
             # 1. Open every stream at once; each has its first event (so it is subscribed and past its read).
             async def open_one(job_id: str) -> _Stream:
@@ -204,7 +211,14 @@ def test_open_streams_hold_no_database_connection_while_other_requests_answer(pu
             try:
                 report["stream_statuses"] = sorted({s.response.status_code for s in streams})
                 assert [s.response.status_code for s in streams] == [200] * STREAMS
-                report["pg_idle"] = _pg_connections(settings)
+                # Several looks: a stream holding a transaction holds it in every one; the API's own background
+                # work (its views' refreshes) may be caught between two statements of a transaction in one.
+                looks = []
+                for _ in range(5):
+                    looks.append(_pg_connections(settings, pubsub_api))
+                    await asyncio.sleep(0.05)
+                report["pg_idle"] = max(looks)
+                report["pg_idle_in_transaction_each_look"] = [idle for _, idle in looks]
 
                 # 2. Other requests while the streams stay open.
                 latencies: list[float] = []
@@ -223,7 +237,7 @@ def test_open_streams_hold_no_database_connection_while_other_requests_answer(pu
                         timed(other_http.post("/v1/jobs", json=TINY)),
                         timed(http.get(f"/v1/jobs/{jobs[round_]}")),
                     )
-                report["pg_busy"] = _pg_connections(settings)
+                report["pg_busy"] = _pg_connections(settings, pubsub_api)
                 latencies.sort()
                 report["other_requests"] = len(latencies)
                 report["latency_p50_s"] = round(latencies[len(latencies) // 2], 4)
@@ -243,11 +257,11 @@ def test_open_streams_hold_no_database_connection_while_other_requests_answer(pu
 
     asyncio.run(scenario())
     print("open streams report:", report)  # latencies are recorded, never asserted
-    connections, idle_in_transaction = report["pg_idle"]
-    # The old stream held a transaction open per stream: 200 streams would need 200 connections.
-    assert idle_in_transaction == 0, report
-    assert connections <= report["pg_baseline"] + api_pool, report
-    assert report["pg_busy"][0] <= report["pg_baseline"] + api_pool, report
+    # The old stream held a transaction open per stream: 200 streams would need 200 connections, each idle in its
+    # transaction in every look. None may be in all of them.
+    assert min(report["pg_idle_in_transaction_each_look"]) == 0, report
+    assert report["pg_idle"][0] <= api_pool, report  # the API's own connections: at most its pool
+    assert report["pg_busy"][0] <= api_pool, report
 
 
 def test_a_lost_message_is_covered_by_the_resync(resync_api, tenant_key, settings):

@@ -7,12 +7,14 @@ import uuid
 from datetime import datetime
 from typing import Any
 
+from pgvector.sqlalchemy import Vector
 from sqlalchemy import (
     BigInteger,
     Boolean,
     DateTime,
     Float,
     ForeignKey,
+    Identity,
     Index,
     Integer,
     String,
@@ -20,7 +22,7 @@ from sqlalchemy import (
     func,
     text,
 )
-from sqlalchemy.dialects.postgresql import JSONB, UUID
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from shared.queues import PriorityClass
@@ -277,3 +279,79 @@ class WebhookDelivery(Base):
     next_attempt_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     handed_over_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))  # by the sweeper (a lease)
     superseded: Mapped[bool] = mapped_column(Boolean, default=False, server_default=text("false"))
+
+
+class VideoContext(Base):
+    """What a finished video is about (shared/context): its keyframe embedding, and how the camera and subjects
+    move. Written by the worker after the job succeeded; a job without a row simply has no context."""
+
+    __tablename__ = "video_contexts"
+    __table_args__ = (
+        Index(
+            "ix_video_contexts_embedding",
+            "embedding",
+            postgresql_using="hnsw",
+            postgresql_with={"m": 16, "ef_construction": 64},
+            postgresql_ops={"embedding": "vector_cosine_ops"},
+        ),
+        Index("ix_video_contexts_tenant_space", "tenant_id", "space", "created_at"),
+        # GET /v1/jobs?motion=<label>: the tenant's videos of one motion in the list's keyset order.
+        Index("ix_video_contexts_tenant_motion", "tenant_id", "motion_label", "job_created_at", "job_id"),
+    )
+
+    job_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    # The job's tenant, copied (a job never changes tenant): the tenant's videos are searched without a join.
+    tenant_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True))
+    space: Mapped[str] = mapped_column(String(120))  # embedding.space(): version and model
+    embedding: Mapped[Any] = mapped_column(Vector(512))
+    keyframes: Mapped[int] = mapped_column(Integer)
+    motion_label: Mapped[str] = mapped_column(String(16))
+    motion_descriptor: Mapped[list[float]] = mapped_column(ARRAY(Float))
+    motion_tokens: Mapped[list[list[float]]] = mapped_column(JSONB)
+    job_created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))  # the job's, for the list's order
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+
+
+class MotionPrototypeSet(Base):
+    """One refit of the motion prototypes (shared/context/prototypes.py). Never rewritten."""
+
+    __tablename__ = "motion_prototype_sets"
+
+    version: Mapped[int] = mapped_column(Integer, Identity(), primary_key=True)
+    fitted_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    videos: Mapped[int] = mapped_column(Integer)
+    params: Mapped[dict[str, Any]] = mapped_column(JSONB)
+
+
+class MotionPrototype(Base):
+    """A global prototype (``class_label`` '') or a variant of one motion class, with its centroid in raw
+    descriptor units and its readable label."""
+
+    __tablename__ = "motion_prototypes"
+
+    version: Mapped[int] = mapped_column(
+        ForeignKey("motion_prototype_sets.version", ondelete="CASCADE"), primary_key=True
+    )
+    class_label: Mapped[str] = mapped_column(String(16), primary_key=True)
+    index: Mapped[int] = mapped_column(Integer, primary_key=True)
+    descriptor: Mapped[list[float]] = mapped_column(ARRAY(Float))
+    label: Mapped[str] = mapped_column(String(16))
+    members: Mapped[int] = mapped_column(Integer)
+
+
+class MotionAssignment(Base):
+    """A video's global prototype and its variant (within ``variant_class``, its motion label) in one set."""
+
+    __tablename__ = "motion_assignments"
+    __table_args__ = (
+        Index("ix_motion_assignments_prototype", "version", "prototype", "job_id"),
+        Index("ix_motion_assignments_variant", "version", "variant_class", "variant", "job_id"),
+    )
+
+    job_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    version: Mapped[int] = mapped_column(
+        ForeignKey("motion_prototype_sets.version", ondelete="CASCADE"), primary_key=True
+    )
+    prototype: Mapped[int] = mapped_column(Integer)
+    variant_class: Mapped[str] = mapped_column(String(16))
+    variant: Mapped[int | None] = mapped_column(Integer)

@@ -36,6 +36,7 @@ _DIALECT = postgresql.psycopg.dialect()
 _JOBS: Table = Job.__table__  # type: ignore[assignment]  # declared models' tables are Tables
 # Column name → attribute name ("metadata" is ``Job.metadata_``), in the table's column order.
 _ATTRS = [(col.name, attr.key) for attr in Job.__mapper__.column_attrs for col in attr.columns]
+JOB_COLUMNS = [col for col, _ in _ATTRS]  # what job_from_row reads, in its order
 _JSON_COLUMNS = {c.name for c in _JOBS.columns if isinstance(c.type, JSON)}
 # What an INSERT sends: every column Postgres does not fill itself (created_at is the database's clock).
 _INSERTED = [(col, attr) for col, attr in _ATTRS if _JOBS.c[col].server_default is None]

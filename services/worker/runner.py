@@ -1,4 +1,4 @@
-"""One job, start to end: claim → render → encode → upload → finalize → webhook. A plain function the thin
+"""One job, start to end: claim → render → encode → upload → finalize → webhook → context. A plain function the thin
 Celery task calls; everything it does is fenced by the attempt number it claimed. Each stage is a span of the job's
 trace (shared/infra/tracing.py; no-ops while tracing is off)."""
 
@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_delay
 
 from services.worker.batching import Claimed, gather_riders
+from services.worker.context import describe
 from services.worker.lease import Lease
 from services.worker.metrics import BUSY, FAILURES, JOBS, QUEUE_WAIT
 from services.worker.render import TRANSIENT, Rendered, backoff, render_members, store
@@ -262,6 +263,16 @@ def _complete(
             return "stale"
         # What this job cost the worker, for the ETA quotes (a batch member: its share).
         render_cost(celery, spec, {**rendered.result.timings_s, "elapsed": worker_s})
+        # 6. What the video is about: after the job is final and its webhook on its way; never fails the job.
+        with stage_span("context", {"vidq.job_id": str(job_id)}):
+            describe(
+                settings,
+                job_id=job_id,
+                tenant_id=uuid.UUID(str(tenant_id)),
+                model=spec.model,
+                frames=rendered.result.frames,
+                keyframes=rendered.result.keyframes,
+            )
         return "succeeded"
     except JobCancelled:
         _settle(settings, celery, lambda s: cancelled_by_worker(s, job_id, token=token))

@@ -230,6 +230,14 @@ class Settings(BaseSettings):
     # Test knob only: while this file exists, a render holds after each denoising step (its progress recorded) until
     # the file is gone or the job is cancelled, so a test acts on a job that is surely mid-render. Empty = never.
     worker_fault_hold_file: str = ""
+    # Test knob only: the context step (what a finished video is about) raises instead of describing the video.
+    worker_fault_context: bool = False
+    # What a finished video is about (keyframe embedding, motion): described by the worker after the job has
+    # succeeded. Off: no video is described (similar-video search and motion filters find nothing new).
+    context_enabled: bool = True
+    # The motion prototypes' refit (`vidq motion refit`, the deploy's periodic job): how many sets to keep, so
+    # assignments of older sets stay readable for a while.
+    motion_sets_kept: int = Field(default=5, ge=1)
     # local: the worker loads the model's text encoder and encodes what no cache tier holds. remote: it never loads
     # the encoder (UMT5-XXL is ≈ 11 GiB of VRAM); what no tier holds it asks the prewarmer for.
     worker_text_encoder: Literal["local", "remote"] = "local"

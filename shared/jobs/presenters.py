@@ -6,7 +6,16 @@ from typing import Any
 
 from shared.infra.config import Settings
 from shared.infra.storage import Storage
-from shared.jobs.schemas import DegradedFromOut, ErrorOut, EstimateOut, JobOut, OutputOut, ProgressOut, ScoreOut
+from shared.jobs.schemas import (
+    ContextOut,
+    DegradedFromOut,
+    ErrorOut,
+    EstimateOut,
+    JobOut,
+    OutputOut,
+    ProgressOut,
+    ScoreOut,
+)
 from shared.models import Job
 from shared.spec import GenerationSpec
 
@@ -27,7 +36,12 @@ def degraded_from(timings: dict[str, Any]) -> tuple[DegradedFromOut | None, dict
 
 
 def present_job(
-    job: Job, *, settings: Settings, storage: Storage | None, estimate: EstimateOut | None = None
+    job: Job,
+    *,
+    settings: Settings,
+    storage: Storage | None,
+    estimate: EstimateOut | None = None,
+    context: ContextOut | None = None,
 ) -> JobOut:
     spec = GenerationSpec.from_dict(job.spec)
     timings = job.timings or {}
@@ -51,6 +65,7 @@ def present_job(
             fps=spec.fps,
             width=rendered.get("width", spec.width),  # a degraded job's output has the size it rendered at
             height=rendered.get("height", spec.height),
+            context=context,
         )
     return JobOut(
         **spec.model_dump(),

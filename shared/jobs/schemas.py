@@ -258,6 +258,28 @@ class DegradedFromOut(BaseModel):
     height: int
 
 
+class MotionOut(BaseModel):
+    """How the camera and the subjects move: a readable label, and the video's motion prototype (``m3.17``) and
+    variant within its label (``m3.pan_left.2``) in the newest prototype set (null before the first refit)."""
+
+    label: str = Field(
+        description="static, pan_left, pan_right, tilt_up, tilt_down, zoom_in, zoom_out, "
+        "rotate_cw, rotate_ccw or mixed (the camera's motion, as an editor names it)"
+    )
+    prototype: str | None = None
+    variant: str | None = None
+
+
+class ContextOut(BaseModel):
+    """What the video is about, described by the worker after the job succeeded (absent until then, or when that
+    step failed: the video itself is unaffected)."""
+
+    embedding_version: str = Field(description="the keyframe embedding's version; similar videos share it")
+    space: str = Field(description="embedding version and model: videos are compared within one space")
+    keyframes: int = Field(description="frames embedded: every 8th frame")
+    motion: MotionOut
+
+
 class OutputOut(BaseModel):
     url: str
     expires_at: datetime
@@ -268,6 +290,7 @@ class OutputOut(BaseModel):
     fps: int
     width: int
     height: int
+    context: ContextOut | None = None
 
 
 class EstimateOut(BaseModel):
@@ -322,3 +345,16 @@ class JobOut(GenerationSpec):
 class JobPage(BaseModel):
     data: list[JobOut]
     next_cursor: str | None
+
+
+class SimilarVideo(BaseModel):
+    similarity: float = Field(description="cosine similarity of the two videos' keyframe embeddings, −1 to 1")
+    job: JobOut
+
+
+class SimilarPage(BaseModel):
+    """The tenant's videos nearest to one video, most similar first (never another tenant's)."""
+
+    job_id: uuid.UUID
+    space: str
+    data: list[SimilarVideo]

@@ -80,6 +80,9 @@ class RenderResult:
     dtype: str
     precision: RenderedPrecision  # the tier and levers that rendered it, and the attention kernel
     latents: torch.Tensor | None = None  # the denoised latents, when asked for (drift measurements)
+    # Pooled latents of every 8th frame (shared/context/embedding.py), what the video's embedding is made of; None
+    # where pooling failed (logged): the video does not wait for, or fail with, what describes it.
+    keyframes: np.ndarray | None = None
 
 
 class VideoPipeline:
@@ -118,6 +121,7 @@ class VideoPipeline:
         self.rendered_shapes: set[tuple[int, int]] = set()
         self.attention = "unknown"  # the SDPA backend of the last render's self-attention
         self._attention_by_shape: dict[tuple[int, int], str] = {}
+        self._reference_tones: dict[int, torch.Tensor] = {}  # per frame count: embedding.reference_tones
 
     def _apply_policy(self) -> None:
         """Put the policy's levers on the pipeline's own modules (once; a pipeline is built for one policy)."""
@@ -205,6 +209,7 @@ class VideoPipeline:
         from_on_step: list[BaseException] = []  # tells on_step's own errors apart from the model's
         timings: dict[str, float] = {}
         kept: list[torch.Tensor] = []
+        keyframes: list[np.ndarray | None] = []
         cached: dict[str, Any] = {}
         with self._device_render(from_on_step):
             frames = self._render(
@@ -216,6 +221,7 @@ class VideoPipeline:
                 cached=cached,
                 scope=stage_scope or _no_scope,
                 kept=kept if keep_latents else None,
+                keyframes=keyframes,
             )
         return RenderResult(
             frames=frames,
@@ -225,6 +231,7 @@ class VideoPipeline:
             dtype=dtype_name(self.dtype),
             precision=self.rendered_precision(step_cache=cached),
             latents=kept[0] if kept else None,
+            keyframes=keyframes[0] if keyframes else None,
         )
 
     def generate_batch(
@@ -250,7 +257,7 @@ class VideoPipeline:
         timings: dict[str, float] = {}
         cached: dict[str, Any] = {}
         with self._device_render([]):
-            frames, decode_s = self._render_many(
+            frames, decode_s, keyframes = self._render_many(
                 specs,
                 text_rows or self.encode_texts,
                 on_steps=on_steps,
@@ -276,6 +283,7 @@ class VideoPipeline:
                     device=str(self.device),
                     dtype=dtype_name(self.dtype),
                     precision=self.rendered_precision(step_cache=cached),
+                    keyframes=keyframes[index],
                 )
             )
         return results
@@ -290,7 +298,7 @@ class VideoPipeline:
         timings: dict[str, float],
         cached: dict[str, Any],
         scope: StageScope,
-    ) -> tuple[list[np.ndarray | None], list[float]]:
+    ) -> tuple[list[np.ndarray | None], list[float], list[np.ndarray | None]]:
         with self._kernels():
             started = stage = self._clock()
             with scope("embeddings"):
@@ -316,6 +324,7 @@ class VideoPipeline:
                 latents = self._denoise_many(specs, prompt_embeds, negative_embeds, after_step, cached)
                 timings["denoise"], stage = self._lap(stage)
             timings["total_shared"] = stage - started
+            keyframes = [self._keyframes(spec.num_frames, latents[i]) for i, spec in enumerate(specs)]
 
             # One VAE call for every member still in the batch (the VAE is mostly per-call overhead at small
             # shapes); each member is charged its share of it.
@@ -330,7 +339,22 @@ class VideoPipeline:
                     seconds, stage = self._lap(stage)
                 for index in active:
                     decode_s[index] = seconds / len(active)
-        return frames, decode_s
+        return frames, decode_s, keyframes
+
+    def _keyframes(self, num_frames: int, latents: torch.Tensor) -> np.ndarray | None:
+        """The pooled keyframes of one video's denoised latents (a few kilobytes brought to the host), or None."""
+        from shared.context.embedding import keyframe_features, reference_tones
+
+        try:
+            reference = self._reference_tones.get(num_frames)
+            if reference is None:
+                with torch.no_grad():
+                    reference = self._reference_tones[num_frames] = reference_tones(self.pipe.vae, num_frames)
+            ratio = int(self.pipe.vae_scale_factor_temporal)
+            return keyframe_features(latents, num_frames=num_frames, temporal_ratio=ratio, reference=reference)
+        except Exception:
+            log.warning("keyframe pooling failed; the video goes on without an embedding", exc_info=True)
+            return None
 
     @contextmanager
     def _device_render(self, own_errors: list[BaseException]) -> Iterator[None]:
@@ -392,6 +416,7 @@ class VideoPipeline:
         cached: dict[str, Any],
         scope: StageScope,
         kept: list[torch.Tensor] | None = None,
+        keyframes: list[np.ndarray | None] | None = None,
     ) -> np.ndarray:
         with self._kernels():
             started = stage = self._clock()
@@ -407,6 +432,8 @@ class VideoPipeline:
                 timings["denoise"], stage = self._lap(stage)
                 if kept is not None:
                     kept.append(latents)
+                if keyframes is not None:
+                    keyframes.append(self._keyframes(spec.num_frames, latents))
 
             # 3. Decode the latents to pixels with the VAE.
             with scope("decode"):

@@ -1,0 +1,1 @@
+"""What finished videos are about, for their owners: ``output.context``, similar videos, motion filters."""

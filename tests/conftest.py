@@ -173,8 +173,8 @@ def clean_state(settings) -> Iterator[None]:  # type: ignore[no-untyped-def]
     with get_engine(settings).begin() as conn:
         conn.execute(
             text(
-                "TRUNCATE jobs, job_transitions, idempotency_keys, webhook_deliveries, api_keys, tenants, fair_clocks"
-                " CASCADE"
+                "TRUNCATE jobs, job_transitions, idempotency_keys, webhook_deliveries, api_keys, tenants, fair_clocks,"
+                " motion_prototype_sets CASCADE"
             )
         )
     for url in (str(settings.broker_url), settings.cache_l2_url, settings.cache_l3_url):

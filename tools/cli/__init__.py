@@ -200,6 +200,28 @@ def prewarmer_alive() -> None:
     typer.echo("alive")
 
 
+motion_app = typer.Typer(no_args_is_help=True, help="Motion prototypes: what GET /v1/jobs?motion= filters by.")
+app.add_typer(motion_app, name="motion")
+
+
+@motion_app.command("refit")
+def motion_refit(
+    every: Annotated[
+        float | None, typer.Option(min=1.0, help="refit every this many seconds until SIGTERM (default: once)")
+    ] = None,
+    seed: Annotated[int, typer.Option(min=0, help="k-means seed (the same videos and seed: the same set)")] = 0,
+) -> None:
+    """Fit a new motion prototype set (64 global prototypes, then up to 8 variants per motion label) from every
+    described video and assign each of them; new videos are assigned to the newest set as they finish. Older sets
+    stay readable until more than VIDQ_MOTION_SETS_KEPT exist. Deployments run it periodically."""
+    from services.motion.main import run
+    from shared.infra.config import get_settings
+
+    report = run(get_settings(), every_s=every, seed=seed)
+    if report is not None:
+        typer.echo(json.dumps(report.__dict__))
+
+
 cache_app = typer.Typer(no_args_is_help=True, help="The text-embedding cache.")
 app.add_typer(cache_app, name="cache")
 

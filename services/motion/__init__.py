@@ -1,0 +1,1 @@
+"""The periodic refit of the motion prototypes (``vidq motion refit``)."""

@@ -149,7 +149,7 @@ def test_submit_watch_play_list_and_webhooks(page, browser, api_url, client, sta
     page.add_init_script(RECORD_PROGRESS)
     _open_with_key(page, api_url, client.headers["Authorization"].removeprefix("Bearer "))
     sync_api.expect(page.locator("#key-status")).to_have_text("Key accepted.")
-    sync_api.expect(page.locator(".job-card")).to_have_count(2)
+    sync_api.expect(page.locator("#job-list .job-card")).to_have_count(2)
 
     _fill_form(page, prompt="a red fox running through fresh snow", webhook_url=receiver.url, **RENDER)
     page.get_by_role("button", name="Generate").click()
@@ -173,15 +173,15 @@ def test_submit_watch_play_list_and_webhooks(page, browser, api_url, client, sta
     assert page.evaluate("document.getElementById('job-video').error") is None
 
     # The list shows all three jobs with their posters, decoded (not a broken image).
-    cards = page.locator(".job-card")
+    cards = page.locator("#job-list .job-card")
     sync_api.expect(cards).to_have_count(3)
     sync_api.expect(cards.first).to_have_attribute("data-job-id", job_id)
     page.wait_for_function(
-        "() => [...document.querySelectorAll('.job-card img')]"
+        "() => [...document.querySelectorAll('#job-list .job-card img')]"
         ".filter((img) => img.complete && img.naturalWidth > 0).length === 3",
         timeout=30_000,
     )
-    assert page.evaluate("document.querySelector('.job-card img').naturalWidth") == RENDER["width"]
+    assert page.evaluate("document.querySelector('#job-list .job-card img').naturalWidth") == RENDER["width"]
 
     # The webhook went out, and the delivery log shows it (the page looks again until a delivery is on record).
     assert receiver.event.wait(30), "no webhook received"
@@ -189,12 +189,20 @@ def test_submit_watch_play_list_and_webhooks(page, browser, api_url, client, sta
     sync_api.expect(row).to_contain_text("delivered · 204", timeout=30_000)
     sync_api.expect(row).to_contain_text("job.succeeded")
 
+    # Once the worker has described the video, the page shows the tenant's two other videos as similar ones, and
+    # the motion it found.
+    similar = page.locator("#similar-list .job-card")
+    sync_api.expect(similar).to_have_count(2, timeout=30_000)
+    sync_api.expect(similar.first).to_contain_text("alike")
+    assert {similar.nth(i).get_attribute("data-job-id") for i in range(2)} == {j["id"] for j in earlier}
+    sync_api.expect(page.locator("#job-facts")).to_contain_text("motion", timeout=30_000)
+
     # Picking an earlier job from the list shows it, with its own video.
-    page.locator(f'.job-card[data-job-id="{earlier[0]["id"]}"]').click()
+    page.locator(f'#job-list .job-card[data-job-id="{earlier[0]["id"]}"]').click()
     sync_api.expect(page.locator("#job-prompt")).to_have_text("a lighthouse in a storm")
     sync_api.expect(page.locator("#job-webhooks")).to_be_hidden()
     page.wait_for_function("() => document.getElementById('job-video').readyState >= 1", timeout=30_000)
-    page.locator(f'.job-card[data-job-id="{job_id}"]').click()
+    page.locator(f'#job-list .job-card[data-job-id="{job_id}"]').click()
     sync_api.expect(page.locator("#webhook-rows tr").first).to_contain_text("delivered · 204")
     page.wait_for_function("() => document.getElementById('job-video').readyState >= 2", timeout=30_000)
     _screenshot(page)
@@ -209,7 +217,7 @@ def test_submit_watch_play_list_and_webhooks(page, browser, api_url, client, sta
         sync_api.expect(stranger.locator("#key-status")).to_have_text("Key accepted.")
         sync_api.expect(stranger.locator("#job-empty")).to_have_text(f"Job {job_id} not found.")
         sync_api.expect(stranger.locator("#jobs-empty")).to_be_visible()
-        assert stranger.locator(".job-card").count() == 0
+        assert stranger.locator("#job-list .job-card").count() == 0
     finally:
         context.close()
 
@@ -234,7 +242,7 @@ def test_the_job_list_pages_with_load_more(page, api_url, client):
     # Queued jobs (no worker runs here) are enough: one more than a page of the console's 12.
     ids = [submit(client, prompt=f"a numbered tile {i}", seed=i)["id"] for i in range(13)]
     _open_with_key(page, api_url, client.headers["Authorization"].removeprefix("Bearer "))
-    cards = page.locator(".job-card")
+    cards = page.locator("#job-list .job-card")
     sync_api.expect(cards).to_have_count(12)
     page.get_by_role("button", name="Load more").click()
     sync_api.expect(cards).to_have_count(13)

@@ -23,6 +23,8 @@ const state = {
   webhookTimer: null,
   webhookLooks: 0, // looks at its deliveries without a settled answer (for the back-off)
   webhookLook: 0, // the latest look's number: an older answer arriving late is dropped
+  similarTimer: null,
+  similarLook: 0, // the latest look at similar videos: an older answer arriving late is dropped
 };
 
 const api = apiClient({ getKey: () => state.key, onUnauthorized: keyRejected });
@@ -163,6 +165,7 @@ async function selectJob(id) {
 
 function showJob(job) {
   const changed = state.selected === null || state.selected.id !== job.id;
+  const hadSucceeded = !changed && state.selected.status === "succeeded";
   if (changed) {
     stopWatching();
     history.replaceState(null, "", `#job=${job.id}`);
@@ -176,6 +179,7 @@ function showJob(job) {
   if (state.cards.has(job.id)) putCard(job, { first: false });
   if (!TERMINAL.has(job.status) && !state.stream) watch(job.id);
   if (changed || TERMINAL.has(job.status)) loadWebhooks();
+  if (changed || (job.status === "succeeded" && !hadSucceeded)) loadSimilar(0);
 }
 
 // Follows the job's progress stream until its final event; the API ends a stream after VIDQ_EVENTS_MAX_S, and a
@@ -240,6 +244,47 @@ async function loadWebhooks() {
   let delay = Math.min(2000 * 1.5 ** (state.webhookLooks - 1), 60000);
   if (latest) delay = Math.max(2000, Date.parse(latest.next_attempt_at) - Date.now() + 1000);
   state.webhookTimer = setTimeout(loadWebhooks, delay);
+}
+
+// ---- similar videos -------------------------------------------------------------------------------------------
+
+// A succeeded job's video is described just after it finishes: until then the API answers 409, and the page looks
+// again (1 s, backing off, five looks).
+async function loadSimilar(looks) {
+  const job = state.selected;
+  const look = ++state.similarLook;
+  clearTimeout(state.similarTimer);
+  if (!job || job.status !== "succeeded") {
+    views.showSimilarMessage(null);
+    return;
+  }
+  let page;
+  try {
+    page = await api.request(jobPath(job.id, "/similar?limit=6"));
+  } catch (err) {
+    if (look !== state.similarLook) return;
+    if (err.status === 409 && looks < 5) {
+      views.showSimilarMessage("Looking at this video…");
+      state.similarTimer = setTimeout(() => loadSimilar(looks + 1), 1000 * 2 ** looks);
+    } else {
+      views.showSimilarMessage(err.status === 409 ? "This video has no description." : `Could not load: ${err.message}`);
+    }
+    return;
+  }
+  if (look !== state.similarLook) return;
+  views.showSimilar(page.data, { onSelect: selectJob });
+  if (!job.output.context) {
+    // Shown before it was described: its facts gain its motion.
+    try {
+      const described = await api.request(jobPath(job.id));
+      if (look === state.similarLook) {
+        state.selected = described;
+        views.showJobDetail(described, { changed: false });
+      }
+    } catch (_) {
+      // the facts stay as they were; the next look at the job shows its motion
+    }
+  }
 }
 
 // ---- wiring ---------------------------------------------------------------------------------------------------

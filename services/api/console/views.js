@@ -123,6 +123,11 @@ export function showJobDetail(job, { changed }) {
     facts.push(fact("render time", `${seconds.toFixed(1)} s`));
   }
   if (job.output) facts.push(fact("file", formatBytes(job.output.bytes)));
+  const context = job.output && job.output.context;
+  if (context) {
+    const { label, prototype } = context.motion;
+    facts.push(fact("motion", prototype ? `${label.replace("_", " ")} (${prototype})` : label.replace("_", " ")));
+  }
   if (job.result_of) facts.push(fact("reuses the video of", job.result_of));
   if (job.webhook_url) facts.push(fact("webhook", job.webhook_url));
   $("job-facts").replaceChildren(...facts);
@@ -165,4 +170,26 @@ export function showDeliveries(rows, { finished }) {
 export function showDeliveriesError(message) {
   $("webhook-empty").hidden = false;
   $("webhook-empty").textContent = message;
+}
+
+// The tenant's videos most like the shown one (GET /v1/jobs/{id}/similar), each a card with its similarity.
+export function showSimilar(items, { onSelect }) {
+  $("job-similar").hidden = false;
+  $("similar-list").replaceChildren(
+    ...items.map(({ similarity, job }) => {
+      const li = jobCard(job, { selected: false, onSelect });
+      const score = el("span", { className: "score", text: `${Math.round(similarity * 100)}% alike` });
+      li.firstChild.querySelector(".line").append(score);
+      return li;
+    }),
+  );
+  $("similar-empty").hidden = items.length > 0;
+  $("similar-empty").textContent = "No other video of this model yet.";
+}
+
+export function showSimilarMessage(message) {
+  $("job-similar").hidden = message === null;
+  $("similar-list").replaceChildren();
+  $("similar-empty").hidden = message === null;
+  $("similar-empty").textContent = message || "";
 }

@@ -1,1 +1,1 @@
-"""The periodic refit of the motion prototypes (``vidq motion refit``)."""
+"""The periodic refit of the motion prototypes (``vidq motion-refit``)."""

@@ -1,4 +1,4 @@
-"""``vidq motion refit``: fit a new motion prototype set from every described video, once or every ``every_s``
+"""``vidq motion-refit``: fit a new motion prototype set from every described video, once or every ``every_s``
 seconds. One refit at a time across the cluster (a Postgres advisory lock; a second one skips). SIGTERM or SIGINT
 ends the loop after the current refit."""
 
@@ -18,7 +18,7 @@ from shared.infra.logs import configure_logging
 
 log = logging.getLogger("vidq.motion")
 
-# pg_try_advisory_xact_lock's key: "vidq motion refit" as a 63-bit number.
+# pg_try_advisory_xact_lock's key: "vidq motion-refit" as a 63-bit number.
 _LOCK_KEY = 0x7669_6471_6D6F_7431
 
 

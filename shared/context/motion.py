@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from shared.context.ids import LABELS  # noqa: F401  (the labels this module gives)
+
 FLOW_WIDTH = 160  # pixels: Farneback's cost grows with the area, and camera motion needs no more
 MAX_PAIRS = 32  # frame pairs per clip, spread over its length
 SEGMENTS = 4
@@ -33,18 +35,6 @@ LEAD = 1.6  # the leading component is at least this many times the next one
 SUBJECT_BELOW = 0.01  # residual (half-widths per frame) under which a still camera's clip is static
 RADIUS = 0.5  # half-widths: the mean distance from the centre of the points a 16:9 to 1:1 frame's fit uses
 
-LABELS = (
-    "static",
-    "pan_left",
-    "pan_right",
-    "tilt_up",
-    "tilt_down",
-    "zoom_in",
-    "zoom_out",
-    "rotate_cw",
-    "rotate_ccw",
-    "mixed",
-)
 DESCRIPTOR = ("tx", "ty", "divergence", "curl", "residual")
 
 

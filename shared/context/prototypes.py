@@ -35,15 +35,21 @@ no leading zeros, at most ``MAX_NUMBER``, Postgres's integer), known labels only
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
 from shared.context import motion
+from shared.context.ids import (  # noqa: F401  (users' ids are read and written where the API can import them)
+    MAX_NUMBER,
+    MotionFilter,
+    parse_motion_filter,
+    prototype_id,
+    variant_id,
+)
 
 GLOBAL_K = 64
 VARIANTS = 8
@@ -57,7 +63,6 @@ SCALE = (
     motion.STATIC_BELOW / (motion.RADIUS / 2),
     motion.SUBJECT_BELOW,
 )
-MAX_NUMBER = 2**31 - 1  # versions and indexes fit Postgres's integer
 _WIDTH = len(motion.DESCRIPTOR)
 _SCALE = np.array(SCALE, dtype=np.float64)
 _CHUNK = 8192  # rows per distance block: 8192 × 64 × 5 float64 is 21 MB
@@ -273,68 +278,6 @@ def assign(model: Fit | Centroids, descriptor: np.ndarray | Sequence[float], lab
     if variants is None:
         return global_index, None
     return global_index, int(_nearest(point, to_features(variants))[0])
-
-
-def prototype_id(version: int, index: int) -> str:
-    """A global prototype's id as users see it: ``m3.17``."""
-    return f"m{_number(version, 'version')}.{_number(index, 'index')}"
-
-
-def variant_id(version: int, label: str, index: int) -> str:
-    """A variant's id as users see it: ``m3.pan_left.2``."""
-    if label not in motion.LABELS:
-        raise ValueError(f"unknown label {label!r}; labels are {', '.join(motion.LABELS)}")
-    return f"m{_number(version, 'version')}.{label}.{_number(index, 'index')}"
-
-
-MotionFilter = (
-    tuple[Literal["label"], str] | tuple[Literal["prototype"], int, int] | tuple[Literal["variant"], int, str, int]
-)
-
-_NUMBER = r"(0|[1-9][0-9]{0,9})"  # canonical: no sign, no leading zeros; range checked after
-_PROTOTYPE = re.compile(rf"m{_NUMBER}\.{_NUMBER}", re.ASCII)
-_VARIANT = re.compile(rf"m{_NUMBER}\.([a-z_]+)\.{_NUMBER}", re.ASCII)
-_MAX_FILTER = 64  # characters: more than any label or id
-
-
-def parse_motion_filter(text: str) -> MotionFilter:
-    """``("label", label)``, ``("prototype", version, index)`` or ``("variant", version, label, index)`` from the
-    ``motion`` query parameter; ValueError for anything else."""
-    if not isinstance(text, str):
-        raise ValueError(f"motion filter must be a string, got {type(text).__name__}")
-    expected = (
-        f"a motion filter is a label ({', '.join(motion.LABELS)}), a prototype id like m3.17 "
-        "or a variant id like m3.pan_left.2"
-    )
-    shown = repr(text) if len(text) <= _MAX_FILTER else repr(text[:_MAX_FILTER]) + "…"
-    if text in motion.LABELS:
-        return ("label", text)
-    if len(text) > _MAX_FILTER:
-        raise ValueError(f"{expected}; got {shown}")
-    match = _PROTOTYPE.fullmatch(text)
-    if match:
-        version, index = (_parsed(group, shown) for group in match.groups())
-        return ("prototype", version, index)
-    match = _VARIANT.fullmatch(text)
-    if match:
-        name = match.group(2)
-        if name not in motion.LABELS:
-            raise ValueError(f"unknown label {name!r} in {shown}; labels are {', '.join(motion.LABELS)}")
-        return ("variant", _parsed(match.group(1), shown), name, _parsed(match.group(3), shown))
-    raise ValueError(f"{expected}; got {shown}")
-
-
-def _parsed(digits: str, shown: str) -> int:
-    value = int(digits)
-    if value > MAX_NUMBER:
-        raise ValueError(f"{shown}: {digits} is over {MAX_NUMBER}")
-    return value
-
-
-def _number(value: int, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or not 0 <= value <= MAX_NUMBER:
-        raise ValueError(f"{name} must be an integer from 0 to {MAX_NUMBER}, got {value!r}")
-    return int(value)
 
 
 def _check_descriptors(values: Any, what: str) -> np.ndarray:

@@ -235,7 +235,7 @@ class Settings(BaseSettings):
     # What a finished video is about (keyframe embedding, motion): described by the worker after the job has
     # succeeded. Off: no video is described (similar-video search and motion filters find nothing new).
     context_enabled: bool = True
-    # The motion prototypes' refit (`vidq motion refit`, the deploy's periodic job): how many sets to keep, so
+    # The motion prototypes' refit (`vidq motion-refit`, the deploy's periodic job): how many sets to keep, so
     # assignments of older sets stay readable for a while.
     motion_sets_kept: int = Field(default=5, ge=1)
     # local: the worker loads the model's text encoder and encodes what no cache tier holds. remote: it never loads

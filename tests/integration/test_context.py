@@ -44,7 +44,7 @@ def other_client(api_url: str, settings: Any, tenant_key: dict[str, str]) -> Any
 
 
 def refit(env: dict[str, str]) -> int:
-    out = subprocess.run(vidq_argv("motion", "refit"), env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(vidq_argv("motion-refit"), env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["reason"] == "refitted", report

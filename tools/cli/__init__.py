@@ -200,11 +200,7 @@ def prewarmer_alive() -> None:
     typer.echo("alive")
 
 
-motion_app = typer.Typer(no_args_is_help=True, help="Motion prototypes: what GET /v1/jobs?motion= filters by.")
-app.add_typer(motion_app, name="motion")
-
-
-@motion_app.command("refit")
+@app.command("motion-refit")
 def motion_refit(
     every: Annotated[
         float | None, typer.Option(min=1.0, help="refit every this many seconds until SIGTERM (default: once)")

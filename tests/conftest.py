@@ -112,7 +112,7 @@ def stack_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, st
     from shared.infra.db import dispose_engines
 
     dispose_engines()
-    _drop_database(pg, db_name)
+    _drop_database(urls.database_url.rsplit("/", 1)[0] + "/postgres", db_name)  # on the server the session used
     with contextlib.suppress(redis.RedisError):  # a broker that is gone already has nothing of ours left
         for url in (urls.broker_url, l2_url, l3_url):
             _delete_broker_keys(url, key_prefix)

@@ -29,6 +29,7 @@ from tools.devstack import (
     SeaweedS3,
     ensure_database,
     libpq_url,
+    postgres_has_vector,
     probe_postgres,
     probe_redis,
     probe_s3,
@@ -78,14 +79,25 @@ def _still_running(pid: int, name: str) -> bool:
         return False
 
 
-def _database_exists(name: str) -> bool:
-    with psycopg.connect(libpq_url(LOCAL_POSTGRES), connect_timeout=5) as conn:
+def _database_exists(name: str, server: str = LOCAL_POSTGRES) -> bool:
+    with psycopg.connect(libpq_url(server), connect_timeout=5) as conn:
         return conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone() is not None
 
 
-def _drop_database(name: str) -> None:
-    with psycopg.connect(libpq_url(LOCAL_POSTGRES), connect_timeout=5, autocommit=True) as conn:
+def _drop_database(name: str, server: str = LOCAL_POSTGRES) -> None:
+    with psycopg.connect(libpq_url(server), connect_timeout=5, autocommit=True) as conn:
         conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+@pytest.fixture(scope="module")
+def vector_postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The maintenance URL of a server that offers pgvector: the machine's where it does, else an embedded one
+    standing in for it (as a configured server, not one DevStack starts)."""
+    if postgres_has_vector(LOCAL_POSTGRES):
+        yield LOCAL_POSTGRES
+        return
+    with EmbeddedPostgres(tmp_path_factory.mktemp("vector-postgres"), database="postgres") as server:
+        yield server.url
 
 
 @pytest.fixture(scope="module")
@@ -208,9 +220,11 @@ def test_ensure_database_creates_a_missing_database() -> None:
 
 
 @pytest.mark.usefixtures("local_services")
-def test_devstack_reuses_the_machines_postgres_and_redis_and_starts_only_s3(tmp_path: Path) -> None:
+def test_devstack_reuses_a_postgres_with_pgvector_and_the_machines_redis_and_starts_only_s3(
+    tmp_path: Path, vector_postgres: str
+) -> None:
     name = f"vidq_devstack_{uuid.uuid4().hex[:8]}"
-    database_url = LOCAL_POSTGRES.rsplit("/", 1)[0] + f"/{name}"
+    database_url = vector_postgres.rsplit("/", 1)[0] + f"/{name}"
     stack = DevStack()
     try:
         urls = stack.start(
@@ -224,7 +238,7 @@ def test_devstack_reuses_the_machines_postgres_and_redis_and_starts_only_s3(tmp_
         )
         assert stack.embedded == ["s3"]
         assert (urls.database_url, urls.broker_url) == (database_url, LOCAL_REDIS)
-        assert _database_exists(name)
+        assert _database_exists(name, vector_postgres)
         assert not (tmp_path / "postgres").exists() and not (tmp_path / "redis").exists()
         assert _client(urls.s3_endpoint).bucket_exists(BUCKET)
         assert stack.env() == {
@@ -239,10 +253,37 @@ def test_devstack_reuses_the_machines_postgres_and_redis_and_starts_only_s3(tmp_
         assert SECRET_KEY not in repr(urls)
     finally:
         stack.stop()
-        _drop_database(name)
+        _drop_database(name, vector_postgres)
     # Only what it started is gone.
     assert not _url_listening(urls.s3_endpoint)
-    assert probe_postgres(LOCAL_POSTGRES) and probe_redis(LOCAL_REDIS)
+    assert probe_postgres(vector_postgres) and probe_redis(LOCAL_REDIS)
+
+
+@pytest.mark.usefixtures("local_services")
+def test_devstack_embeds_postgres_where_the_configured_one_lacks_pgvector(tmp_path: Path) -> None:
+    if postgres_has_vector(LOCAL_POSTGRES):
+        pytest.skip("this machine's Postgres offers pgvector")
+    with DevStack() as stack:
+        urls = stack.start(
+            tmp_path,
+            database_url=LOCAL_POSTGRES.rsplit("/", 1)[0] + "/vidq_vector",
+            broker_url=LOCAL_REDIS,
+            s3_endpoint=None,
+            s3_access_key=ACCESS_KEY,
+            s3_secret_key=SECRET_KEY,
+            bucket=BUCKET,
+        )
+        assert stack.embedded == ["postgres", "s3"]
+        assert urls.database_url.endswith("/vidq_vector") and ":5432/" not in urls.database_url
+        with psycopg.connect(libpq_url(urls.database_url), connect_timeout=5, autocommit=True) as conn:
+            conn.execute("CREATE EXTENSION IF NOT EXISTS vector")
+            assert conn.execute("SELECT '[1,2]'::vector <=> '[2,4]'::vector").fetchone() == (0.0,)
+    assert probe_postgres(LOCAL_POSTGRES)  # the machine's server is left alone
+
+
+def test_postgres_has_vector_says_which_servers_offer_it(vector_postgres: str) -> None:
+    assert postgres_has_vector(vector_postgres)
+    assert not postgres_has_vector(f"postgresql+psycopg://postgres@127.0.0.1:{free_ports(1)[0]}/vidq")
 
 
 def test_devstack_embeds_every_service_that_does_not_answer(tmp_path: Path) -> None:

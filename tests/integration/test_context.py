@@ -117,6 +117,14 @@ def test_videos_are_described_searched_within_their_tenant_and_filtered_by_motio
     assert jobs[0]["id"] in {j["id"] for j in by_prototype}
     assert their_job["id"] not in {j["id"] for j in by_prototype}  # the twin shares the prototype, not the tenant
 
+    # The same request again is served from the result cache: the same video, so the same context; its similar
+    # videos are the tenant's others, never itself nor the job it reuses.
+    again = client.post("/v1/jobs", json={**TINY, "seed": 1, "prompt": f"{TINY['prompt']} #1"}).json()
+    assert again["result_of"] == jobs[0]["id"]
+    assert client.get(f"/v1/jobs/{again['id']}").json()["output"]["context"] == job["output"]["context"]
+    near = client.get(f"/v1/jobs/{again['id']}/similar").json()["data"]
+    assert sorted(item["job"]["id"] for item in near) == sorted(j["id"] for j in jobs[1:])
+
     # A video finished after the refit is assigned to the newest set at once.
     later = described(client, submit(client, seed=4, prompt=f"{TINY['prompt']} #4")["id"])
     assert later["output"]["context"]["motion"]["prototype"].startswith(f"m{first}.")

@@ -30,10 +30,9 @@ LEFT JOIN LATERAL (
 WHERE c.job_id = ANY(%(ids)s) AND c.tenant_id = %(tenant_id)s
 """
 
+# The video's own row: a job served from the result cache shows the video of the job named in ``result_of``.
 _QUERY_VECTOR = """
-SELECT c.space, c.embedding::text FROM video_contexts c
-JOIN jobs j ON j.id = c.job_id
-WHERE c.job_id = %(job_id)s AND c.tenant_id = %(tenant_id)s AND j.deleted_at IS NULL
+SELECT c.space, c.embedding::text FROM video_contexts c WHERE c.job_id = %(job_id)s AND c.tenant_id = %(tenant_id)s
 """
 
 # The HNSW index (ix_video_contexts_embedding) orders by cosine distance; the tenant and space are checked on the
@@ -42,7 +41,7 @@ SIMILAR = f"""
 SELECT {_JOB}, 1 - (c.embedding <=> %(vector)s::vector) AS similarity
 FROM video_contexts c
 JOIN jobs j ON j.id = c.job_id
-WHERE c.tenant_id = %(tenant_id)s AND c.space = %(space)s AND c.job_id <> %(job_id)s AND j.deleted_at IS NULL
+WHERE c.tenant_id = %(tenant_id)s AND c.space = %(space)s AND c.job_id <> ALL(%(exclude)s) AND j.deleted_at IS NULL
 ORDER BY c.embedding <=> %(vector)s::vector
 LIMIT %(limit)s
 """
@@ -93,14 +92,15 @@ async def _iterative_scans(conn: AsyncConnection[TupleRow]) -> bool:
 
 
 async def contexts(store: JobStore, *, tenant_id: uuid.UUID, jobs: list[Job]) -> dict[uuid.UUID, ContextOut]:
-    """The contexts of the succeeded jobs among ``jobs`` (one query for a whole page)."""
-    ids = [job.id for job in jobs if job.status == "succeeded"]
-    if not ids:
+    """The contexts of the succeeded jobs among ``jobs`` (one query for a whole page); a job served from the result
+    cache has its source's (the same video)."""
+    shown = {job.id: job.result_of or job.id for job in jobs if job.status == "succeeded"}
+    if not shown:
         return {}
     async with store.connection() as conn:
-        cur = await conn.execute(_CONTEXTS, {"ids": ids, "tenant_id": tenant_id})
-        rows = await cur.fetchall()
-    return {row[0]: _context(row) for row in rows}
+        cur = await conn.execute(_CONTEXTS, {"ids": list(set(shown.values())), "tenant_id": tenant_id})
+        found = {row[0]: _context(row) for row in await cur.fetchall()}
+    return {job_id: found[video] for job_id, video in shown.items() if video in found}
 
 
 def _context(row: TupleRow) -> ContextOut:
@@ -113,9 +113,7 @@ def _context(row: TupleRow) -> ContextOut:
             label=label,
             prototype=ids.prototype_id(version, prototype) if version is not None else None,
             variant=(
-                ids.variant_id(version, variant_class, variant)
-                if version is not None and variant is not None
-                else None
+                ids.variant_id(version, variant_class, variant) if version is not None and variant is not None else None
             ),
         ),
     )
@@ -126,9 +124,11 @@ async def similar(
 ) -> tuple[str, list[tuple[Job, float]]]:
     """The job's space and its tenant's nearest videos in it, most similar first."""
     async with store.transaction() as conn:
-        if await store.get(conn, tenant_id=tenant_id, job_id=job_id) is None:
+        job = await store.get(conn, tenant_id=tenant_id, job_id=job_id)
+        if job is None:
             raise NotFound("job not found")
-        cur = await conn.execute(_QUERY_VECTOR, {"job_id": job_id, "tenant_id": tenant_id})
+        video = job.result_of or job.id  # its own render, or the one it reuses
+        cur = await conn.execute(_QUERY_VECTOR, {"job_id": video, "tenant_id": tenant_id})
         found = await cur.fetchone()
         if found is None:
             raise Conflict(
@@ -139,7 +139,8 @@ async def similar(
         if await _iterative_scans(conn):
             await conn.execute("SET LOCAL hnsw.iterative_scan = strict_order")
         cur = await conn.execute(
-            SIMILAR, {"vector": vector, "tenant_id": tenant_id, "space": space, "job_id": job_id, "limit": limit}
+            SIMILAR,
+            {"vector": vector, "tenant_id": tenant_id, "space": space, "exclude": [job_id, video], "limit": limit},
         )
         rows = await cur.fetchall()
     return space, [(job_from_row(row[:-1]), float(row[-1])) for row in rows]

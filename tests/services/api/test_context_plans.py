@@ -65,7 +65,7 @@ def _query(settings: Any, tenant: uuid.UUID) -> tuple[uuid.UUID, str]:
 def test_similar_search_walks_the_hnsw_index_within_the_tenant(described: FilledDatabase, limit: int):
     settings, tenant = described.settings, described.tenants[0]
     job_id, vector = _query(settings, tenant)
-    params = {"vector": vector, "tenant_id": tenant, "space": SPACE, "job_id": job_id, "limit": limit}
+    params = {"vector": vector, "tenant_id": tenant, "space": SPACE, "exclude": [job_id], "limit": limit}
     with get_engine(settings).connect() as conn, conn.begin() as tx:
         conn.exec_driver_sql(f"SET LOCAL hnsw.ef_search = {ef_search(limit)}")
         plan = conn.exec_driver_sql(f"EXPLAIN (ANALYZE, FORMAT JSON) {SIMILAR}", params).scalar_one()[0]

@@ -3,7 +3,9 @@
     python -m benchmarks.api_load [--baseline-ref f68bf14] [--workers 2] [--quick]
 
 For each target (the baseline commit, checked out into a temporary worktree, and this working tree) it makes a
-database of its own on the local Postgres, migrates it with that target's code, issues an API key, and starts
+database of its own on the local Postgres (where that offers pgvector, which vidq's schema needs; else on one
+embedded PostgreSQL 16 started for the run, the same for every target), migrates it with that target's code, issues
+an API key, and starts
 ``vidq api`` from that target's source with the sweeper off and a broker key prefix of its own (nothing else on
 this Redis sees the messages; they are deleted at the end). No worker runs: a submit ends in the queue.
 
@@ -45,8 +47,11 @@ import psutil
 import psycopg
 import redis
 
+from tools.devstack import libpq_url, postgres_with_vector
+
 ROOT = Path(__file__).resolve().parent.parent
-PG = "postgresql://postgres@127.0.0.1:5432/postgres"
+# Used where it offers pgvector; otherwise an embedded server stands in for it.
+PG = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 REDIS = "redis://127.0.0.1:6379/14"
 BODY = {"prompt": "a red fox runs through snow, cinematic", "width": 64, "height": 64, "duration_s": 0.5, "fps": 8}
 
@@ -102,10 +107,10 @@ class Run:
 
 
 class Target:
-    """One API under test: its source tree, database, key and process."""
+    """One API under test: its source tree, database (on ``server``, a maintenance URL), key and process."""
 
-    def __init__(self, name: str, src: Path, *, workers: int) -> None:
-        self.name, self.src, self.workers = name, src, workers
+    def __init__(self, name: str, src: Path, *, workers: int, server: str) -> None:
+        self.name, self.src, self.workers, self.server = name, src, workers, server
         self.db = f"vidq_bench_{uuid.uuid4().hex[:8]}"
         self.prefix = f"vidq-bench-{uuid.uuid4().hex[:8]}:"
         self.port = 0  # chosen at start: a port picked before another target's load may be taken by then
@@ -119,7 +124,7 @@ class Target:
             **os.environ,
             "PYTHONPATH": str(self.src),
             "VIDQ_ENV": "test",
-            "VIDQ_DATABASE_URL": f"postgresql+psycopg://postgres@127.0.0.1:5432/{self.db}",
+            "VIDQ_DATABASE_URL": self.server.rsplit("/", 1)[0] + f"/{self.db}",
             "VIDQ_BROKER_URL": REDIS,
             "VIDQ_BROKER_KEY_PREFIX": self.prefix,
             "VIDQ_SWEEPER_IN_API": "false",
@@ -133,7 +138,7 @@ class Target:
     def start(self) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        with psycopg.connect(PG, autocommit=True) as conn:
+        with psycopg.connect(libpq_url(self.server), autocommit=True) as conn:
             conn.execute(f'CREATE DATABASE "{self.db}"')
         run = [sys.executable, "-m", _cli_module(self.src)]
         subprocess.run([*run, "migrate"], env=self.env(), cwd=self.src, check=True, capture_output=True, timeout=120)
@@ -177,7 +182,7 @@ class Target:
         client = redis.Redis.from_url(REDIS)
         for key in client.scan_iter(match=f"{self.prefix}*", count=1000):
             client.delete(key)
-        with psycopg.connect(PG, autocommit=True) as conn:
+        with psycopg.connect(libpq_url(self.server), autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{self.db}" WITH (FORCE)')
 
 
@@ -394,34 +399,37 @@ def main() -> None:
     read_rates = [500.0, 1000.0, 1500.0]
     sections: list[str] = []
     worktree = None
-    targets: list[Target] = []
-    if args.baseline_ref:
-        worktree = Path(tempfile.mkdtemp(prefix="vidq-baseline-"))
-        subprocess.run(["git", "worktree", "add", "--detach", str(worktree), args.baseline_ref], cwd=ROOT, check=True)
-        targets.append(Target(f"baseline {args.baseline_ref}", worktree, workers=1))
-    targets.append(Target("this tree", ROOT, workers=args.workers))
-    try:
-        for target in targets:
-            target.start()
-            try:
-                sections += bench(target, submit_rates=submit_rates, read_rates=read_rates, seconds=seconds)
-            finally:
-                target.stop()
-    finally:
-        if worktree is not None:
-            subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=ROOT, check=False)
-            shutil.rmtree(worktree, ignore_errors=True)
-    _write(sections, args)
+    with postgres_with_vector(PG) as server:
+        targets: list[Target] = []
+        if args.baseline_ref:
+            worktree = Path(tempfile.mkdtemp(prefix="vidq-baseline-"))
+            subprocess.run(
+                ["git", "worktree", "add", "--detach", str(worktree), args.baseline_ref], cwd=ROOT, check=True
+            )
+            targets.append(Target(f"baseline {args.baseline_ref}", worktree, workers=1, server=server))
+        targets.append(Target("this tree", ROOT, workers=args.workers, server=server))
+        try:
+            for target in targets:
+                target.start()
+                try:
+                    sections += bench(target, submit_rates=submit_rates, read_rates=read_rates, seconds=seconds)
+                finally:
+                    target.stop()
+        finally:
+            if worktree is not None:
+                subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=ROOT, check=False)
+                shutil.rmtree(worktree, ignore_errors=True)
+        _write(sections, args, server)
 
 
-def _write(sections: list[str], args: argparse.Namespace) -> None:
+def _write(sections: list[str], args: argparse.Namespace, server: str) -> None:
     versions = {}
     for pkg in ("fastapi", "uvicorn", "sqlalchemy", "psycopg", "celery", "kombu", "redis", "httpx"):
         with contextlib.suppress(Exception):
             from importlib.metadata import version
 
             versions[pkg] = version(pkg)
-    with psycopg.connect(PG) as conn:
+    with psycopg.connect(libpq_url(server)) as conn:
         pg_version = conn.execute("SHOW server_version").fetchone()
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     out = ROOT / "benchmarks" / "results" / f"api_load_{datetime.now(UTC):%Y%m%d}.md"

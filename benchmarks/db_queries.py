@@ -3,8 +3,10 @@ pre-0002 forms, in one run.
 
     python -m benchmarks.db_queries [--jobs 2000000] [--seconds 10] [--rate 50] [--out benchmarks/results]
 
-It makes a database of its own on the local Postgres (vidq_bench_<hex>; dropped at the end), migrates it, fills
-``jobs`` with ``benchmarks.db_data.fill`` (a month of jobs, nothing due for the sweeper), ANALYZEs, and measures:
+It makes a database of its own (vidq_bench_<hex>; dropped at the end) on the local Postgres where that offers
+pgvector (vidq's schema needs it), else on an embedded PostgreSQL 16 (pgserver) started for the run; the report
+names the server. It migrates the database, fills ``jobs`` with ``benchmarks.db_data.fill`` (a month of jobs,
+nothing due for the sweeper), ANALYZEs, and measures:
   list      the SQL GET /v1/jobs sends (services/api/store.py ``list_query``), 100 a page: first page,
             status-filtered page, cursor page at depth ``--depth``; open loop at ``--rate`` req/s for
             ``--seconds`` (request i is scheduled at
@@ -49,8 +51,10 @@ from shared.jobs.repository import webhooks_due
 from shared.jobs.status import TERMINAL, JobStatus
 from shared.messaging.celery_app import make_celery
 from shared.models import Job, WebhookDelivery
+from tools.devstack import libpq_url, postgres_with_vector
 
-SERVER = "postgresql://postgres@127.0.0.1:5432/postgres"
+# Used where it offers pgvector; otherwise an embedded server stands in for it.
+LOCAL_SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 
 
 # --- the pre-0002 forms, kept literally as the baseline --------------------------------------------------------
@@ -132,14 +136,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args(argv)
     name = f"vidq_bench_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(SERVER, autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
-    try:
-        report = run(args, name)
-    finally:
-        dispose_engines()
-        with psycopg.connect(SERVER, autocommit=True) as admin:
-            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with postgres_with_vector(LOCAL_SERVER) as server_url:
+        server = libpq_url(server_url)
+        with psycopg.connect(server, autocommit=True) as admin:
+            admin.execute(f'CREATE DATABASE "{name}"')
+        try:
+            report = run(args, server_url.rsplit("/", 1)[0] + f"/{name}", server=server)
+        finally:
+            dispose_engines()
+            with psycopg.connect(server, autocommit=True) as admin:
+                admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"db_queries_{datetime.now(UTC):%Y%m%d}.md"
     path.write_text(report)
@@ -147,11 +153,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"written to {path}")
 
 
-def run(args: argparse.Namespace, name: str) -> str:
+def run(args: argparse.Namespace, database_url: str, *, server: str) -> str:
     # Nothing may be due, so nothing is sent: a broker nobody listens on makes a send fail at once rather than
     # leave messages in a Redis that others share.
     settings = Settings(
-        database_url=PostgresDsn(f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"),
+        database_url=PostgresDsn(database_url),
         broker_url=RedisDsn("redis://127.0.0.1:1/0"),
     )
     upgrade(settings)
@@ -194,7 +200,7 @@ def run(args: argparse.Namespace, name: str) -> str:
         f"cursor at depth {args.depth:,}": lambda k: page(big, cursor=cursors[k % 10]),
         f"cursor at depth {args.depth:,}, OR form (before)": old_deep,
     }
-    lines = [f"# db_queries, {datetime.now(UTC):%Y-%m-%d}", "", *machine_lines(args), ""]
+    lines = [f"# db_queries, {datetime.now(UTC):%Y-%m-%d}", "", *machine_lines(args, server), ""]
     lines += ["## Plans (EXPLAIN ANALYZE of the SQL each function sends, warm)", ""]
     with engine.connect() as conn:
         for label, call in scenarios.items():
@@ -310,8 +316,8 @@ def presign_lines(settings: Settings) -> list[str]:
     return lines
 
 
-def machine_lines(args: argparse.Namespace) -> list[str]:
-    with psycopg.connect(SERVER) as conn:
+def machine_lines(args: argparse.Namespace, server: str) -> list[str]:
+    with psycopg.connect(server) as conn:
         row = conn.execute("SELECT version()").fetchone()
     packages = ", ".join(f"{p} {version(p)}" for p in ("sqlalchemy", "psycopg", "alembic", "minio"))
     uname = " ".join(platform.uname()).strip()

@@ -1,7 +1,8 @@
 """A whole vidq stack for the benchmarks that need one, started the way the README starts it (``vidq up``): API,
-sweeper, prewarmer, a video worker, the webhook worker, on this machine's Postgres and Redis (or embedded ones) and
-an embedded S3. It gets a database, a broker key prefix, ports and a state directory of its own, all removed at the
-end, so it runs beside anything else on the machine. Also the open-loop submitter the stack benchmarks share.
+sweeper, prewarmer, a video worker, the webhook worker, on this machine's Postgres where it offers pgvector (else an
+embedded PostgreSQL started here), this machine's Redis and an embedded S3. It gets a database, a broker key prefix,
+ports and a state directory of its own, all removed at the end, so it runs beside anything else on the machine. Also
+the open-loop submitter the stack benchmarks share.
 """
 
 from __future__ import annotations
@@ -27,8 +28,11 @@ import httpx
 import psycopg
 import redis
 
+from tools.devstack import libpq_url, postgres_with_vector
+
 ROOT = Path(__file__).resolve().parent.parent
-PG = "postgresql://postgres@127.0.0.1:5432/postgres"
+# Used where it offers pgvector (vidq's schema needs it); otherwise an embedded server stands in for it.
+PG = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 REDIS = "redis://127.0.0.1:6379/14"
 
 
@@ -52,6 +56,12 @@ class Stack:
 
 @contextlib.contextmanager
 def real_stack(extra_env: dict[str, str] | None = None) -> Iterator[Stack]:
+    # `vidq up` reuses this server (it offers pgvector); an embedded one stops only once the stack is down.
+    with postgres_with_vector(PG) as server:
+        yield from _real_stack(server, extra_env)
+
+
+def _real_stack(server: str, extra_env: dict[str, str] | None) -> Iterator[Stack]:
     db = f"vidq_bench_{uuid.uuid4().hex[:8]}"
     prefix = f"vidq-bench-{uuid.uuid4().hex[:8]}:"
     state_dir = Path(tempfile.mkdtemp(prefix="vidq-bench-stack-"))
@@ -60,7 +70,7 @@ def real_stack(extra_env: dict[str, str] | None = None) -> Iterator[Stack]:
         **{k: v for k, v in os.environ.items() if not k.startswith("VIDQ_")},
         "PYTHONPATH": str(ROOT),
         "HF_HUB_OFFLINE": "1",
-        "VIDQ_DATABASE_URL": f"postgresql+psycopg://postgres@127.0.0.1:5432/{db}",
+        "VIDQ_DATABASE_URL": server.rsplit("/", 1)[0] + f"/{db}",
         "VIDQ_BROKER_URL": REDIS,
         "VIDQ_BROKER_KEY_PREFIX": prefix,
         "VIDQ_API_PORT": str(port),
@@ -69,7 +79,7 @@ def real_stack(extra_env: dict[str, str] | None = None) -> Iterator[Stack]:
         "VIDQ_PREWARMER_METRICS_PORT": "0",
         **(extra_env or {}),
     }
-    with psycopg.connect(PG, autocommit=True) as conn:
+    with psycopg.connect(libpq_url(server), autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{db}"')
     log = (state_dir / "up.log").open("wb")
     up = subprocess.Popen(
@@ -108,7 +118,7 @@ def real_stack(extra_env: dict[str, str] | None = None) -> Iterator[Stack]:
         client = redis.Redis.from_url(REDIS)
         for k in client.scan_iter(match=f"{prefix}*", count=1000):
             client.delete(k)
-        with psycopg.connect(PG, autocommit=True) as conn:
+        with psycopg.connect(libpq_url(server), autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
 
 

@@ -4,6 +4,7 @@ machine's own Postgres and Redis where they answer."""
 from __future__ import annotations
 
 import io
+import logging
 import re
 import socket
 import uuid
@@ -19,7 +20,7 @@ import psycopg
 import pytest
 import redis
 from minio import Minio
-from psycopg import sql
+from psycopg import errors, sql
 
 from shared.infra.storage import s3_client
 from tools.devstack import (
@@ -30,6 +31,7 @@ from tools.devstack import (
     ensure_database,
     libpq_url,
     postgres_has_vector,
+    postgres_with_vector,
     probe_postgres,
     probe_redis,
     probe_s3,
@@ -89,6 +91,19 @@ def _drop_database(name: str, server: str = LOCAL_POSTGRES) -> None:
         conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
 
 
+def _can_create_vector(url: str) -> bool:
+    """Whether ``CREATE EXTENSION vector`` succeeds in the database of ``url`` (rolled back: nothing stays)."""
+    with psycopg.connect(libpq_url(url), connect_timeout=5) as conn:
+        try:
+            with conn.transaction(force_rollback=True):
+                conn.execute("CREATE EXTENSION IF NOT EXISTS vector")
+        # A missing control file: FeatureNotSupported ("extension … is not available") on current servers,
+        # UndefinedFile ("could not open extension control file") on older ones.
+        except (errors.FeatureNotSupported, errors.UndefinedFile):
+            return False
+    return True
+
+
 @pytest.fixture(scope="module")
 def vector_postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The maintenance URL of a server that offers pgvector: the machine's where it does, else an embedded one
@@ -108,14 +123,21 @@ def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
 
 
 @pytest.fixture
-def local_services() -> None:
-    if not (probe_postgres(LOCAL_POSTGRES) and probe_redis(LOCAL_REDIS)):
-        pytest.skip("this machine runs no Postgres at 127.0.0.1:5432 or no Redis at 6379")
+def local_postgres() -> None:
+    if not probe_postgres(LOCAL_POSTGRES):
+        pytest.skip("this machine runs no Postgres at 127.0.0.1:5432")
+
+
+@pytest.fixture
+def local_redis() -> None:
+    if not probe_redis(LOCAL_REDIS):
+        pytest.skip("this machine runs no Redis at 127.0.0.1:6379")
 
 
 def test_probes_say_no_when_nothing_listens() -> None:
     port = free_ports(1)[0]
     assert not probe_postgres(f"postgresql+psycopg://postgres@127.0.0.1:{port}/vidq")
+    assert not postgres_has_vector(f"postgresql+psycopg://postgres@127.0.0.1:{port}/vidq")
     assert not probe_redis(f"redis://127.0.0.1:{port}/0")
     assert not probe_s3(f"127.0.0.1:{port}", ACCESS_KEY, SECRET_KEY, False)
 
@@ -126,6 +148,7 @@ def test_probes_say_no_when_a_server_never_answers() -> None:
     with socket.create_server(("127.0.0.1", 0), backlog=16) as silent:
         port = silent.getsockname()[1]
         assert not probe_postgres(f"postgresql+psycopg://postgres@127.0.0.1:{port}/vidq", timeout_s=0.5)
+        assert not postgres_has_vector(f"postgresql+psycopg://postgres@127.0.0.1:{port}/vidq", timeout_s=0.5)
         assert not probe_redis(f"redis://127.0.0.1:{port}/0", timeout_s=0.5)
         assert not probe_s3(f"127.0.0.1:{port}", ACCESS_KEY, SECRET_KEY, False, timeout_s=0.5)
 
@@ -206,7 +229,7 @@ def test_embedded_postgres_answers_select_1_in_its_database(tmp_path: Path) -> N
     assert not _url_listening(url)
 
 
-@pytest.mark.usefixtures("local_services")
+@pytest.mark.usefixtures("local_postgres")
 def test_ensure_database_creates_a_missing_database() -> None:
     name = f"vidq_devstack_{uuid.uuid4().hex[:8]}"
     url = LOCAL_POSTGRES.rsplit("/", 1)[0] + f"/{name}"
@@ -219,7 +242,7 @@ def test_ensure_database_creates_a_missing_database() -> None:
         _drop_database(name)
 
 
-@pytest.mark.usefixtures("local_services")
+@pytest.mark.usefixtures("local_redis")
 def test_devstack_reuses_a_postgres_with_pgvector_and_the_machines_redis_and_starts_only_s3(
     tmp_path: Path, vector_postgres: str
 ) -> None:
@@ -259,31 +282,92 @@ def test_devstack_reuses_a_postgres_with_pgvector_and_the_machines_redis_and_sta
     assert probe_postgres(vector_postgres) and probe_redis(LOCAL_REDIS)
 
 
-@pytest.mark.usefixtures("local_services")
-def test_devstack_embeds_postgres_where_the_configured_one_lacks_pgvector(tmp_path: Path) -> None:
+@pytest.mark.usefixtures("local_postgres")
+def test_devstack_embeds_postgres_where_the_configured_one_lacks_pgvector(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     if postgres_has_vector(LOCAL_POSTGRES):
-        pytest.skip("this machine's Postgres offers pgvector")
+        pytest.skip("this machine's Postgres at 127.0.0.1:5432 offers pgvector")
+    caplog.set_level(logging.INFO, logger="tools.devstack.stack")
+    name = f"vidq_devstack_{uuid.uuid4().hex[:8]}"
     with DevStack() as stack:
         urls = stack.start(
             tmp_path,
-            database_url=LOCAL_POSTGRES.rsplit("/", 1)[0] + "/vidq_vector",
-            broker_url=LOCAL_REDIS,
+            database_url=LOCAL_POSTGRES.rsplit("/", 1)[0] + f"/{name}",
+            broker_url=None,
             s3_endpoint=None,
             s3_access_key=ACCESS_KEY,
             s3_secret_key=SECRET_KEY,
             bucket=BUCKET,
         )
-        assert stack.embedded == ["postgres", "s3"]
-        assert urls.database_url.endswith("/vidq_vector") and ":5432/" not in urls.database_url
+        assert stack.embedded == ["postgres", "redis", "s3"]
+        assert urls.database_url.endswith(f"/{name}") and ":5432/" not in urls.database_url
         with psycopg.connect(libpq_url(urls.database_url), connect_timeout=5, autocommit=True) as conn:
             conn.execute("CREATE EXTENSION IF NOT EXISTS vector")
             assert conn.execute("SELECT '[1,2]'::vector <=> '[2,4]'::vector").fetchone() == (0.0,)
-    assert probe_postgres(LOCAL_POSTGRES)  # the machine's server is left alone
+    assert "127.0.0.1:5432/" in caplog.text and "has no pgvector extension" in caplog.text
+    # The machine's server is left alone, and nothing was created on it.
+    assert probe_postgres(LOCAL_POSTGRES) and not _database_exists(name)
+
+
+def test_devstack_reuses_a_configured_postgres_that_offers_pgvector(tmp_path: Path) -> None:
+    """A server this test starts itself stands in for a configured one with pgvector: DevStack uses it, creates its
+    database there, and leaves it running at stop."""
+    with EmbeddedPostgres(tmp_path / "configured", database="postgres") as server:
+        database_url = server.url.rsplit("/", 1)[0] + "/vidq_configured"
+        with DevStack() as stack:
+            urls = stack.start(
+                tmp_path / "stack",
+                database_url=database_url,
+                broker_url=None,
+                s3_endpoint=None,
+                s3_access_key=ACCESS_KEY,
+                s3_secret_key=SECRET_KEY,
+                bucket=BUCKET,
+            )
+            assert "postgres" not in stack.embedded
+            assert urls.database_url == database_url
+            assert _database_exists("vidq_configured", server.url)
+            assert _can_create_vector(database_url)
+        assert not (tmp_path / "stack" / "postgres").exists()
+        assert probe_postgres(server.url)
 
 
 def test_postgres_has_vector_says_which_servers_offer_it(vector_postgres: str) -> None:
-    assert postgres_has_vector(vector_postgres)
+    assert postgres_has_vector(vector_postgres) and _can_create_vector(vector_postgres)
     assert not postgres_has_vector(f"postgresql+psycopg://postgres@127.0.0.1:{free_ports(1)[0]}/vidq")
+
+
+@pytest.mark.usefixtures("local_postgres")
+def test_postgres_has_vector_agrees_with_create_extension_on_the_machines_postgres() -> None:
+    """The probe against the server's own answer to CREATE EXTENSION. Where the machine's Postgres lacks pgvector,
+    this is the case of a server that answers and still gets False."""
+    assert postgres_has_vector(LOCAL_POSTGRES) == _can_create_vector(LOCAL_POSTGRES)
+
+
+def test_postgres_with_vector_reuses_a_server_that_offers_it(vector_postgres: str) -> None:
+    name = f"vidq_devstack_{uuid.uuid4().hex[:8]}"
+    url = vector_postgres.rsplit("/", 1)[0] + f"/{name}"
+    try:
+        with postgres_with_vector(url) as yielded:
+            assert yielded == url and _database_exists(name, vector_postgres)
+        assert probe_postgres(vector_postgres)
+    finally:
+        _drop_database(name, vector_postgres)
+
+
+def test_postgres_with_vector_embeds_one_in_a_temporary_directory_where_none_answers() -> None:
+    dead = free_ports(1)[0]
+    with postgres_with_vector(f"postgresql+psycopg://postgres@127.0.0.1:{dead}/vidq_fallback") as url:
+        assert url.endswith("/vidq_fallback") and f":{dead}/" not in url
+        assert _can_create_vector(url)
+        with psycopg.connect(libpq_url(url), connect_timeout=5) as conn:
+            row = conn.execute("SHOW data_directory").fetchone()
+        assert row is not None
+        data_dir = Path(row[0])
+        assert data_dir.is_dir()
+    assert not _url_listening(url)
+    assert not data_dir.parent.exists()  # the temporary directory is gone
 
 
 def test_devstack_embeds_every_service_that_does_not_answer(tmp_path: Path) -> None:

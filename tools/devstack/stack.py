@@ -5,7 +5,9 @@ vidq's schema needs) counts as not answering: the embedded one ships it."""
 from __future__ import annotations
 
 import logging
-from contextlib import ExitStack
+import tempfile
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -116,19 +118,10 @@ class DevStack:
         return self._urls
 
     def _database(self, data_dir: Path, url: str | None, *, services: ExitStack, timeout_s: float) -> str:
-        if url is not None and probe_postgres(url, timeout_s=timeout_s):
-            if postgres_has_vector(url, timeout_s=timeout_s):
-                logger.info("postgres: reusing %s", redact_url(url))
-                ensure_database(url)
-                return url
-            reason = f"{redact_url(url)} has no pgvector extension (similar-video search needs it)"
-        else:
-            reason = "not configured" if url is None else f"{redact_url(url)} does not answer"
-        logger.info("postgres: %s; starting embedded PostgreSQL", reason)
-        name = (conninfo_to_dict(libpq_url(url)).get("dbname") if url else None) or "vidq"
-        postgres = services.enter_context(EmbeddedPostgres(data_dir, database=str(name)))
-        self.embedded.append("postgres")
-        return postgres.url
+        url, embedded = _postgres(data_dir, url, services=services, timeout_s=timeout_s)
+        if embedded:
+            self.embedded.append("postgres")
+        return url
 
     def _broker(self, data_dir: Path, url: str | None, *, services: ExitStack, timeout_s: float) -> str:
         if url is not None and probe_redis(url, timeout_s=timeout_s):
@@ -183,3 +176,32 @@ class DevStack:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+@contextmanager
+def postgres_with_vector(url: str | None, data_dir: Path | None = None, *, timeout_s: float = 2.0) -> Iterator[str]:
+    """A Postgres that offers pgvector, for as long as the block runs, chosen as ``DevStack.start`` chooses one: the
+    server in ``url`` where it answers and offers the extension (the database ``url`` names is created there), else
+    an embedded PostgreSQL with a database of that name, stopped on the way out. Its data lives under ``data_dir``,
+    or in a temporary directory removed at the end. Yields the URL of that database."""
+    with ExitStack() as services:
+        if data_dir is None:
+            # Entered first, so removed last: after the server that writes there has stopped.
+            data_dir = Path(services.enter_context(tempfile.TemporaryDirectory(prefix="vidq-postgres-")))
+        yield _postgres(data_dir / "postgres", url, services=services, timeout_s=timeout_s)[0]
+
+
+def _postgres(data_dir: Path, url: str | None, *, services: ExitStack, timeout_s: float) -> tuple[str, bool]:
+    """The database URL to use, and whether an embedded server (entered into ``services``) serves it."""
+    if url is not None and probe_postgres(url, timeout_s=timeout_s):
+        if postgres_has_vector(url, timeout_s=timeout_s):
+            logger.info("postgres: reusing %s", redact_url(url))
+            ensure_database(url)
+            return url, False
+        reason = f"{redact_url(url)} has no pgvector extension (vidq's similar-video search needs it)"
+    else:
+        reason = "not configured" if url is None else f"{redact_url(url)} does not answer"
+    logger.info("postgres: %s; starting embedded PostgreSQL", reason)
+    name = (conninfo_to_dict(libpq_url(url)).get("dbname") if url else None) or "vidq"
+    postgres = services.enter_context(EmbeddedPostgres(data_dir, database=str(name)))
+    return postgres.url, True

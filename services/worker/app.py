@@ -143,6 +143,11 @@ def _init_child(**_: Any) -> None:
 
 @worker_process_shutdown.connect
 def _shutdown_child(**_: Any) -> None:
+    from services.worker.finisher import drain_current
+
+    # A warm shutdown: the jobs already rendered are finished first (the grace period's end kills the pool anyway).
+    if not drain_current(_worker.settings.worker_shutdown_grace_s):
+        log.warning("exiting with rendered jobs unfinished; their leases bring them back")
     dispose_engines()
     if (tracing := active_tracing()) is not None:  # a pool process ends without atexit hooks
         tracing.shutdown()

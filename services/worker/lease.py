@@ -56,6 +56,16 @@ class Lease:
             except Exception:  # a DB blip: keep trying; the lease is several heartbeats long
                 log.warning("lease renewal failed", extra={"job_id": str(self.job_id)}, exc_info=True)
 
+    def refresh(self) -> None:
+        """Renew now and raise as ``check`` does: a job that waited for the finisher sees a cancel or another
+        attempt's claim before its encode and upload, not a heartbeat later. A database error leaves it to the
+        heartbeat."""
+        try:
+            self._renew()
+        except Exception:
+            log.warning("lease renewal failed", extra={"job_id": str(self.job_id)}, exc_info=True)
+        self.check()
+
     def check(self) -> None:
         if not self.owned:
             raise LeaseLost("another attempt owns this job now")

@@ -262,7 +262,7 @@ def store(
     from shared.render.video import encode_mp4, write_poster
 
     settings, result, job_id = celery.settings, rendered.result, lease.job_id
-    lease.check()
+    lease.refresh()
     timings: dict[str, float] = {k: round(v, 4) for k, v in result.timings_s.items()}
     with tempfile.TemporaryDirectory(prefix="vidq-") as tmp:
         # 3. Encode H.264 yuv420p MP4 and a JPEG poster.
@@ -273,6 +273,8 @@ def store(
             write_poster(result.frames, jpg)
         timings["encode"] = round(time.perf_counter() - t0, 4)
         # 4. Upload under deterministic keys: a retried attempt overwrites, never duplicates.
+        if settings.worker_fault_hold_upload_file:  # test knob: hold here while its file exists
+            _hold(lease, Path(settings.worker_fault_hold_upload_file))
         t0 = time.perf_counter()
         lease.check()
         upload = partial(_upload, storage, settings=settings, lease=lease, ctx={"job_id": str(job_id)})
@@ -353,7 +355,7 @@ def _generate(pipeline: VideoPipeline, spec: GenerationSpec, *, celery: VidqCele
         )
 
     # On the GPU thread that loaded and warmed up the model (services/worker/gpu_thread.py).
-    return gpu_thread().run(render)
+    return gpu_thread().run(_timed([lease], render))
 
 
 def _generate_batch(
@@ -393,16 +395,50 @@ def _generate_batch(
             stage_scope=lambda stage: stage_span(stage, attributes),
         )
 
-    return gpu_thread().run(render)
+    return gpu_thread().run(_timed(leases, render))
 
 
 def _held_step(lease: Lease, hold: Path, step: int, total: int) -> None:
-    """The test knob VIDQ_WORKER_FAULT_HOLD_FILE: a step as usual, then wait while the file exists. A cancel or a
-    lost lease (seen by the heartbeat) ends the wait as it would end the render."""
+    """The test knob VIDQ_WORKER_FAULT_HOLD_FILE: a step as usual, then wait while the file exists."""
     lease.on_step(step, total)
+    _hold(lease, hold)
+
+
+def _hold(lease: Lease, hold: Path) -> None:
+    """Wait while ``hold`` exists (test knobs). A cancel or a lost lease (seen by the heartbeat) ends the wait as it
+    would end the stage."""
     while hold.exists():
         lease.check()
         time.sleep(0.05)
+
+
+def _timeline(leases: list[Lease], started: float, outcome: str) -> None:
+    """One line per render (a video or a batch): when its work on the device began and ended, in unix seconds, so
+    the GPU's idle gaps between jobs can be read from the log (benchmarks/gpu_stack.py does)."""
+    log.info(
+        "render timeline",
+        extra={
+            "job_ids": [str(lease.job_id) for lease in leases],
+            "started_unix": round(started, 4),
+            "ended_unix": round(time.time(), 4),
+            "outcome": outcome,
+        },
+    )
+
+
+def _timed(leases: list[Lease], render: Callable[[threading.Event], T]) -> Callable[[threading.Event], T]:
+    """``render``, its start and end logged as the render's timeline."""
+
+    def timed(abandoned: threading.Event) -> T:
+        started, outcome = time.time(), "failed"
+        try:
+            result = render(abandoned)
+            outcome = "rendered"
+            return result
+        finally:
+            _timeline(leases, started, outcome)
+
+    return timed
 
 
 def _job_attributes(lease: Lease) -> dict[str, str | int]:

@@ -1,6 +1,9 @@
 """One job, start to end: claim → render → encode → upload → finalize → webhook → context. A plain function the thin
 Celery task calls; everything it does is fenced by the attempt number it claimed. Each stage is a span of the job's
-trace (shared/infra/tracing.py; no-ops while tracing is off)."""
+trace (shared/infra/tracing.py; no-ops while tracing is off).
+
+The task's part ends with the render: what follows (encode to context) runs on the finisher thread
+(services/worker/finisher.py) while the task returns and the next job renders, unless ``worker_overlap`` is off."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable
+from functools import partial
 from typing import TypeVar
 
 from celery.exceptions import SoftTimeLimitExceeded
@@ -19,6 +23,7 @@ from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_de
 
 from services.worker.batching import Claimed, gather_riders
 from services.worker.context import describe
+from services.worker.finisher import finisher
 from services.worker.lease import Lease
 from services.worker.metrics import BUSY, FAILURES, JOBS, QUEUE_WAIT
 from services.worker.render import TRANSIENT, Rendered, backoff, render_members, store
@@ -88,7 +93,9 @@ def run_job(
     storage: Storage,
     progress: ProgressPublisher,
 ) -> str:
-    """Returns what happened ("succeeded", "dropped", "cancelled", "failed", …) for logs, metrics and tests.
+    """Returns what happened to the message's job for logs and tests: "rendered" once its render is handed to the
+    finisher (``worker_overlap``; its end is counted there), else how it ended ("succeeded", "dropped", "cancelled",
+    "failed", …). Every job's end is counted in ``vidq_worker_jobs_total`` where it happens.
 
     ``klass``: the class whose queue the message came from. The message is then that class's turn, and the job
     claimed is the class's next one in the fair order between tenants (shared/jobs/fairness.py), usually ``job_id``
@@ -109,8 +116,8 @@ def run_job(
             "Postgres unreachable after the claim; the lease expiry hands the job back",
             extra={"job_id": str(job_id), "error": repr(exc)[:300]},
         )
-        outcome = "abandoned"
-    return _counted(outcome, celery)
+        return _counted("abandoned", celery)
+    return outcome
 
 
 def _counted(outcome: str, celery: VidqCelery) -> str:
@@ -185,43 +192,89 @@ def _run_job(
         raise
     if claimed is None:
         log.info("nothing to claim (already running, finished or cancelled); message dropped", extra=ctx)
-        return "dropped"
+        return _counted("dropped", celery)
     # Compatible jobs waiting in the same class ride along in one batch where the batch table says it pays.
     riders = gather_riders(claimed, klass=klass, celery=celery, worker=worker_id()) if klass is not None else []
     # Another job than the message's (its tenant's turn came first): its stages go to its own trace.
     traceparent = claimed.traceparent if claimed.job_id != message_job_id else None
     with continuing(traceparent):
-        outcomes = _run_members(
-            [claimed, *riders], settings=settings, celery=celery, storage=storage, progress=progress
-        )
-    for rider, outcome in zip(riders, outcomes[1:], strict=True):  # the message's own outcome is run_job's
-        _counted(outcome, celery)
-        log.info("batch member done", extra={"job_id": str(rider.job_id), "outcome": outcome})
-    return outcomes[0]
+        return _run_members([claimed, *riders], settings=settings, celery=celery, storage=storage, progress=progress)
 
 
 def _run_members(
     members: list[Claimed], *, settings: Settings, celery: VidqCelery, storage: Storage, progress: ProgressPublisher
-) -> list[str]:
-    """Render the claimed jobs (one, or a batch) and see each to its end: stored and finalized, or released, failed
-    or cancelled on its own. Each has its own lease, fencing token, progress and cancel from its claim on."""
+) -> str:
+    """Render the claimed jobs (one, or a batch), then see each to its end: stored and finalized, or released,
+    failed or cancelled on its own — on the finisher thread (``worker_overlap``: the task returns "rendered" and the
+    pool process takes its next job meanwhile), or here. Each job has its own lease, fencing token, progress and
+    cancel from its claim until its end. Returns the first member's outcome (the message's job)."""
     leases = []
-    for member in members:
-        log.info("claimed", extra={"job_id": str(member.job_id), "attempt": str(member.token)})
-        progress.progress(
-            member.job_id, status=JobStatus.RUNNING.value, step=0, total=member.spec.steps, attempt=member.token
-        )
-        leases.append(Lease(settings, job_id=member.job_id, token=member.token, progress=progress).__enter__())
     try:
+        for member in members:
+            log.info("claimed", extra={"job_id": str(member.job_id), "attempt": str(member.token)})
+            progress.progress(
+                member.job_id, status=JobStatus.RUNNING.value, step=0, total=member.spec.steps, attempt=member.token
+            )
+            leases.append(Lease(settings, job_id=member.job_id, token=member.token, progress=progress).__enter__())
         with BUSY.track_inprogress(), busy():
             rendered = render_members(members, leases, celery=celery)
-        return [
-            _complete(member, lease, result, settings=settings, celery=celery, storage=storage)
-            for member, lease, result in zip(members, leases, rendered, strict=True)
-        ]
+        finish = partial(
+            _finish,
+            members,
+            leases,
+            rendered,
+            rendered_at=time.monotonic(),
+            settings=settings,
+            celery=celery,
+            storage=storage,
+        )
+        if not settings.worker_overlap:
+            return finish()[0]
+        finisher(settings.worker_overlap_depth).submit(finish)  # waits while the finisher's line is full
+    except BaseException:
+        # Before the hand-over (a soft time limit, a shutdown): the jobs stay running under leases nobody renews,
+        # and the sweeper hands them back when those expire.
+        for lease in leases:
+            lease.__exit__(None, None, None)
+        raise
+    return "rendered"
+
+
+def _finish(
+    members: list[Claimed],
+    leases: list[Lease],
+    rendered: list[Rendered | Exception],
+    *,
+    rendered_at: float,
+    settings: Settings,
+    celery: VidqCelery,
+    storage: Storage,
+) -> list[str]:
+    """Each rendered member to its end, in order, each counted; a member whose end could not be written (Postgres
+    down through every retry, or a bug) is left to its lease, and the others go on."""
+    outcomes = []
+    try:
+        for member, lease, result in zip(members, leases, rendered, strict=True):
+            ctx = {"job_id": str(member.job_id), "attempt": str(member.token)}
+            try:
+                outcome = _complete(
+                    member, lease, result, rendered_at=rendered_at, settings=settings, celery=celery, storage=storage
+                )
+            except Exception as exc:
+                if db_unreachable(exc):
+                    log.warning(
+                        "Postgres unreachable after the render; the lease expiry hands the job back",
+                        extra={**ctx, "error": repr(exc)[:300]},
+                    )
+                else:
+                    log.exception("the job's end failed; the lease expiry hands the job back", extra=ctx)
+                outcome = "abandoned"
+            outcomes.append(_counted(outcome, celery))
+            log.info("job done", extra={**ctx, "outcome": outcome, "batch": len(members)})
     finally:
         for lease in leases:  # those _complete did not close (it raised)
             lease.__exit__(None, None, None)
+    return outcomes
 
 
 def _complete(
@@ -229,11 +282,13 @@ def _complete(
     lease: Lease,
     rendered: Rendered | Exception,
     *,
+    rendered_at: float,
     settings: Settings,
     celery: VidqCelery,
     storage: Storage,
 ) -> str:
-    """One rendered job's end: its video stored and the job finalized, or what its error calls for."""
+    """One rendered job's end: its video stored and the job finalized, or what its error calls for. ``rendered_at``
+    (time.monotonic()): when its render ended, so its time on the GPU is known apart from its finish."""
     job_id, token, tenant_id, spec = member.job_id, member.token, member.tenant_id, member.spec
     ctx = {"job_id": str(job_id), "attempt": str(token)}
     try:
@@ -261,8 +316,10 @@ def _complete(
         if done is None:
             log.warning("finalize refused: fencing token is stale", extra=ctx)
             return "stale"
-        # What this job cost the worker, for the ETA quotes (a batch member: its share).
-        render_cost(celery, spec, {**rendered.result.timings_s, "elapsed": worker_s})
+        # What this job cost the worker, for the ETA quotes (a batch member: its share): claim to stored video, or,
+        # while finishes overlap the next render, claim to rendered (the next job starts then).
+        occupied = rendered_at - member.claimed_at if settings.worker_overlap else worker_s
+        render_cost(celery, spec, {**rendered.result.timings_s, "elapsed": occupied})
         # 6. What the video is about: after the job is final and its webhook on its way; never fails the job.
         with stage_span("context", {"vidq.job_id": str(job_id)}):
             describe(

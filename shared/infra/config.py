@@ -232,6 +232,15 @@ class Settings(BaseSettings):
     worker_fault_hold_file: str = ""
     # Test knob only: the context step (what a finished video is about) raises instead of describing the video.
     worker_fault_context: bool = False
+    # Test knob only: while this file exists, a job's upload waits before it starts (its lease renewed, a cancel
+    # seen), so a test acts on a job that is surely being finished. Empty = never.
+    worker_fault_hold_upload_file: str = ""
+    # A rendered job's end (MP4 encode, poster, upload, finalize, webhook, context) runs on a thread of its own while
+    # the next job renders, so the GPU never waits for it (services/worker/finisher.py); off: the task does it before
+    # it takes the next job. Depth: how many rendered jobs may wait behind the one being finished before a render
+    # waits to hand its frames over (each holds its frames in memory meanwhile).
+    worker_overlap: bool = True
+    worker_overlap_depth: int = Field(default=1, ge=1)
     # What a finished video is about (keyframe embedding, motion): described by the worker after the job has
     # succeeded. Off: no video is described (similar-video search and motion filters find nothing new).
     context_enabled: bool = True

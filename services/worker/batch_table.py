@@ -7,6 +7,10 @@ shape speed. A shape the table does not name follows the smallest measured shape
 large (frames × height × width); one larger than any measured, or of another model, renders alone. Without a
 table, every job renders alone.
 
+``VIDQ_WORKER_BATCH_TABLE=auto`` (the default) is the table vidq ships for the worker's GPU, in
+``services/worker/batch_tables/<gpu>.json`` (``nvidia-h200.json``: the GPU's name, lower case, dashes): measured
+there, used there. On the CPU, and on a GPU with no table shipped, every job renders alone.
+
     {"device": "...", "gain": 1.3,
      "shapes": [{"model": "tiny-wan", "frames": 9, "height": 64, "width": 64, "max_batch": 8}, ...]}
 """
@@ -14,6 +18,7 @@ table, every job renders alone.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -54,9 +59,32 @@ class BatchTable:
         return 1
 
 
+SHIPPED = Path(__file__).with_name("batch_tables")
+AUTO = "auto"
+
+
 @lru_cache(maxsize=4)
-def load(path: str) -> BatchTable:
-    """The table at ``path`` (read once per process); an empty path: no batching."""
+def load(path: str, device: str | None = None) -> BatchTable:
+    """The table at ``path`` (read once per process); ``auto``: the one shipped for the GPU this process renders on
+    (``device``: the worker's VIDQ_DEVICE, None = CUDA where there is one); an empty path: no batching."""
+    if path == AUTO:
+        path = shipped_table(device) or ""
     if not path:
         return BatchTable([])
     return BatchTable.from_json(json.loads(Path(path).read_text()))
+
+
+def gpu_slug(name: str) -> str:
+    """A GPU's name as its table's file is named: "NVIDIA H200" → "nvidia-h200"."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def shipped_table(device: str | None) -> str | None:
+    """The path of the table shipped for the GPU this process renders on, if there is one (None on the CPU). Only
+    called where jobs render (the pool process), which has initialised CUDA already."""
+    import torch
+
+    if (device is not None and not device.startswith("cuda")) or not torch.cuda.is_available():
+        return None
+    path = SHIPPED / f"{gpu_slug(torch.cuda.get_device_name(device))}.json"
+    return str(path) if path.exists() else None

@@ -61,7 +61,7 @@ def window_s(settings: Settings, klass: PriorityClass, *, backlog: int, limit: i
 def gather_riders(claimed: Claimed, *, klass: PriorityClass, celery: VidqCelery, worker: str) -> list[Claimed]:
     """Claim the jobs that render with ``claimed`` (none where the batch table says it renders alone)."""
     settings = celery.settings
-    limit = load(settings.worker_batch_table).max_batch(claimed.spec) - 1
+    limit = load(settings.worker_batch_table, settings.device).max_batch(claimed.spec) - 1
     if limit <= 0:
         return []
     deadline = time.monotonic() + window_s(settings, klass, backlog=_backlog(celery, klass), limit=limit + 1)

@@ -154,10 +154,11 @@ class Settings(BaseSettings):
     scheduling_redis_timeout_s: float = Field(default=0.25, gt=0)
     scheduling_redis_backoff_s: float = Field(default=5.0, ge=0)
     # Dynamic batching (services/worker/batching.py): the JSON table benchmarks/batching.py writes for the workers'
-    # kind of device (empty: every job renders alone). After its claim a worker waits for compatible jobs of the
+    # kind of device; auto: the one vidq ships for the worker's GPU (services/worker/batch_tables/), none on the CPU;
+    # empty: every job renders alone. After its claim a worker waits for compatible jobs of the
     # class: high not at all, medium from batch_window_medium_min_s up to _max_s as its queue grows, low until the
     # batch is full or batch_window_low_s; it looks every batch_poll_s.
-    worker_batch_table: str = ""
+    worker_batch_table: str = "auto"
     batch_window_medium_min_s: float = Field(default=0.128, ge=0)
     batch_window_medium_max_s: float = Field(default=0.512, ge=0)
     batch_window_low_s: float = Field(default=1.0, ge=0)

@@ -29,6 +29,8 @@ def test_vidq_up_renders_a_job_on_cuda_in_the_exact_tier(tmp_path: Path) -> None
         stack.stop()
     logs = {name: (tmp_path / "state" / "logs" / f"{name}.log").read_text() for name in ("worker", "prewarmer")}
     assert "Cannot re-initialize CUDA" not in logs["worker"]
+    # One text encoder on the machine, the prewarmer's: the worker loads none of its own.
+    assert '"text_encoder": "remote"' in logs["worker"]
     assert job["status"] == "succeeded", job
     timings = job["timings"]
     assert timings["device"].startswith("cuda")

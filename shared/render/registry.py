@@ -57,6 +57,9 @@ class RenderSettings(Protocol):
     @property
     def worker_compile(self) -> str: ...  # "auto" (CUDA only), "on" or "off"
 
+    @property
+    def worker_low_vram_decode_budget_mb(self) -> int: ...  # cap of a low_vram decode's budget; 0: the free memory
+
 
 @dataclass(frozen=True, slots=True)
 class PipelineKey:
@@ -135,8 +138,9 @@ def apply_memory_mode(pipe: DiffusionPipeline, mode: str, *, device: torch.devic
     """``low_vram``: the transformer lives in CPU RAM and is streamed to ``device`` one block at a time on a side
     CUDA stream (diffusers group offloading: the next block's copy overlaps this block's compute); the text encoder
     lives in pinned CPU RAM and is copied whole to the GPU for each encode (``WholeModuleOffload``: its peak never
-    coincides with the transformer's); the VAE decodes in tiles. ``resident`` (and any mode off CUDA): everything
-    stays where it was built."""
+    coincides with the transformer's). The VAE stays on ``device``; each decode then runs whole when that fits the free
+    memory (at most ``worker_low_vram_decode_budget_mb``), in tiles when not (``VideoPipeline._decode``,
+    shared/render/memory.py). ``resident`` (and any mode off CUDA): everything stays where it was built."""
     if mode == "resident" or device.type != "cuda":
         return
     from diffusers.hooks import apply_group_offloading
@@ -156,9 +160,6 @@ def apply_memory_mode(pipe: DiffusionPipeline, mode: str, *, device: torch.devic
         # Block-level streaming of UMT5 measured 10 s per encode on an H200 (its blocks sit below a T5Stack, which
         # group offloading treats as one unmatched module): one pinned copy of the whole encoder is ~0.5 s.
         WholeModuleOffload(text_encoder, device)
-    vae = getattr(pipe, "vae", None)
-    if vae is not None and hasattr(vae, "enable_tiling"):
-        vae.enable_tiling()
     torch.cuda.empty_cache()
 
 
@@ -193,11 +194,12 @@ def build_pipeline(
 _pool = PipelinePool()  # this process's pipelines (shared/render/pool.py)
 
 
-def get_pipeline(key: PipelineKey, *, model_dir: str | None = None) -> VideoPipeline:
+def get_pipeline(key: PipelineKey, *, model_dir: str | None = None, decode_budget_mb: int = 0) -> VideoPipeline:
     """The process-wide pipeline for ``key``: built on first use, then kept warm on its device while the VRAM pool's
     budget allows (one build per key even when two threads ask at once).
 
-    ``model_dir`` is ``settings.model_dir``; only the model ``local`` reads it.
+    ``model_dir`` is ``settings.model_dir``; only the model ``local`` reads it. ``decode_budget_mb`` is
+    ``settings.worker_low_vram_decode_budget_mb``; only a low_vram pipeline on CUDA reads it.
     """
 
     def build() -> VideoPipeline:
@@ -217,6 +219,7 @@ def get_pipeline(key: PipelineKey, *, model_dir: str | None = None) -> VideoPipe
             identity=identity,
             memory_mode=key.memory_mode,
             policy=policy,
+            decode_budget_mb=decode_budget_mb,
         )
 
     return _pool.get(key, build)
@@ -230,9 +233,9 @@ def pool_state() -> list[tuple[PipelineKey, str, int]]:
 def pipeline_for(
     model: str, settings: RenderSettings, *, memory_mode: str | None = None, tier: Precision = "exact"
 ) -> VideoPipeline:
-    """The process-wide pipeline for ``model`` under ``settings`` (device, CUDA dtype, model folder, memory mode,
-    compile) in precision tier ``tier``; ``memory_mode`` overrides the worker's (a retry after running out of
-    memory)."""
+    """The process-wide pipeline for ``model`` under ``settings`` (device, CUDA dtype, model folder, memory mode and
+    its decode budget, compile) in precision tier ``tier``; ``memory_mode`` overrides the worker's (a retry after
+    running out of memory)."""
     mode = memory_mode or _downgraded.get(model) or settings.worker_memory_mode
     _pool.policy = PoolPolicy.from_settings(settings)
     key = pipeline_key(
@@ -244,7 +247,7 @@ def pipeline_for(
         tier=tier,
         compile_mode=settings.worker_compile,
     )
-    return get_pipeline(key, model_dir=settings.model_dir)
+    return get_pipeline(key, model_dir=settings.model_dir, decode_budget_mb=settings.worker_low_vram_decode_budget_mb)
 
 
 _downgraded: dict[str, str] = {}  # model → the memory mode this process falls back to after running out

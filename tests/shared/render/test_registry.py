@@ -262,6 +262,7 @@ def test_pipeline_for_reads_only_the_settings_it_is_given(tmp_path: Path) -> Non
         worker_text_encoder = "local"
         worker_memory_mode = "resident"
         worker_compile = "auto"  # on CUDA only: this CPU pipeline is not compiled
+        worker_low_vram_decode_budget_mb = 0  # read by a low_vram pipeline on CUDA only
 
     clear_pipeline_cache()
     try:
@@ -284,6 +285,7 @@ def test_memory_mode_is_part_of_the_key_and_an_out_of_memory_fallback_sticks_to_
         worker_text_encoder = "local"
         worker_memory_mode = "resident"
         worker_compile = "auto"  # on CUDA only: this CPU pipeline is not compiled
+        worker_low_vram_decode_budget_mb = 0  # read by a low_vram pipeline on CUDA only
 
     clear_pipeline_cache()
     try:

@@ -134,7 +134,16 @@ def main(argv: list[str] | None = None) -> int:
             }
         )
         print(f"{shape}: " + ", ".join(f"b{b} {m:.3f}/s" for b, m in medians.items()) + f" → max_batch {max_batch}")
+        report = write(args, argv, device, shapes)  # after every shape: a run cut short keeps what it measured
 
+    print(markdown(report))
+    return 0
+
+
+def write(
+    args: argparse.Namespace, argv: list[str] | None, device: torch.device, shapes: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The report and the table for the shapes measured so far, written to ``args.out``."""
     stamp = dt.datetime.now(dt.UTC)
     kind = "cuda" if device.type == "cuda" else "cpu"
     report = {
@@ -158,8 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     base.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     (args.out / f"batching_{kind}_table.json").write_text(json.dumps(table, indent=2) + "\n")
     base.with_suffix(".md").write_text(markdown(report))
-    print(markdown(report))
-    return 0
+    return report
 
 
 def markdown(report: dict[str, Any]) -> str:

@@ -284,7 +284,8 @@ def store(
             span.set_attribute("vidq.output_bytes", video.size)
         timings["upload"] = round(time.perf_counter() - t0, 4)
     for stage, seconds in timings.items():
-        STAGE_SECONDS.labels(stage).observe(seconds)
+        if stage not in ("batch", "decode_tiled"):  # a count and a flag, not seconds
+            STAGE_SECONDS.labels(stage).observe(seconds)
     # Stored with the job: stage seconds plus where the render ran.
     record: dict[str, object] = {
         **timings,

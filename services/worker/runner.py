@@ -301,6 +301,9 @@ def _complete(
             timings = outcome["timings"]
             assert isinstance(timings, dict)
             timings["worker"] = worker_s
+            # The seconds it held the worker's render path, claim to rendered: what the next job waited for while
+            # finishes overlap (what its ETA cost sample records then).
+            timings["occupied"] = round(rendered_at - member.claimed_at, 4)
         finally:
             lease.__exit__(None, None, None)
 
@@ -318,7 +321,7 @@ def _complete(
             return "stale"
         # What this job cost the worker, for the ETA quotes (a batch member: its share): claim to stored video, or,
         # while finishes overlap the next render, claim to rendered (the next job starts then).
-        occupied = rendered_at - member.claimed_at if settings.worker_overlap else worker_s
+        occupied = timings["occupied"] if settings.worker_overlap else worker_s
         render_cost(celery, spec, {**rendered.result.timings_s, "elapsed": occupied})
         # 6. What the video is about: after the job is final and its webhook on its way; never fails the job.
         with stage_span("context", {"vidq.job_id": str(job_id)}):

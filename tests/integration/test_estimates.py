@@ -11,8 +11,9 @@ from tools.processes import wait_until
 
 
 def render_seconds(job: dict) -> float:
-    """What the worker spent on a job, claim to stored video (what its cost sample records)."""
-    return float(job["timings"]["worker"])
+    """What the job cost the worker, as its cost sample records it: claim to rendered, its finish overlapping the
+    next job's render."""
+    return float(job["timings"]["occupied"])
 
 
 def test_a_queued_jobs_quote_lies_within_the_renders_it_was_made_from(client, start_worker, hold):

@@ -97,3 +97,10 @@ class ModelUnavailable(Exception):
     """A job's model and shape keep failing on this worker (their circuit breaker is open, shared/infra/breakers.py):
     the job fails at once with ``model_unavailable`` instead of rendering, unless it allows a degraded render.
     Defined here, torch-free, for the same reason as ``EmbeddingsUnavailable``."""
+
+
+class PoolNotAllowed(VidqError):
+    """A request chose a worker pool (``X-Vidq-Pool``) for a tenant that may not: nothing was written."""
+
+    status_code = 403
+    code = "pool_not_allowed"

@@ -11,6 +11,7 @@ from pgvector.sqlalchemy import Vector
 from sqlalchemy import (
     BigInteger,
     Boolean,
+    CheckConstraint,
     DateTime,
     Float,
     ForeignKey,
@@ -25,7 +26,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from shared.queues import PriorityClass
+from shared.queues import STABLE_POOL, PriorityClass, video_queue
 
 
 class Base(DeclarativeBase):
@@ -88,11 +89,16 @@ class Job(Base):
         Index(
             "ix_jobs_queued_fair",
             "priority_class",
+            "pool",
             "tenant_id",
             "created_at",
             "id",
             postgresql_where=text("status = 'queued'"),
         ),
+        # Roll back and the sweeper (shared/pools): the queued jobs of a pool other than 'stable' (normally few).
+        Index("ix_jobs_queued_pooled", "pool", postgresql_where=text("status = 'queued' AND pool <> 'stable'")),
+        # A pool's finished jobs in a window: its failure-rate breaker and `vidq pools compare`.
+        Index("ix_jobs_pool_finished", "pool", "finished_at", postgresql_where=text("finished_at IS NOT NULL")),
         # Sweeper, aging: only what can still move up a class ('high' is shared.queues.PriorityClass.HIGH).
         Index(
             "ix_jobs_queued_agable",
@@ -180,10 +186,15 @@ class Job(Base):
     # continues that trace. Null when tracing was off (and for jobs made before migration 0006).
     traceparent: Mapped[str | None] = mapped_column(String(55))
 
+    # The worker pool the job renders in (shared/pools; migrations/versions/0011) and what routed it there. Python-side
+    # defaults, as for api_flavour: the async store inserts only columns without a server default.
+    pool: Mapped[str] = mapped_column(String(32), default=STABLE_POOL)
+    routed_by: Mapped[str] = mapped_column(String(16), default="default")
+
     @property
     def queue(self) -> str:
-        """The video queue of the job's class, where its next message goes."""
-        return PriorityClass(self.priority_class).queue.value
+        """The video queue of the job's class in its pool, where its next message goes."""
+        return video_queue(PriorityClass(self.priority_class), self.pool or STABLE_POOL)
 
 
 class FairShare(Base):
@@ -193,17 +204,47 @@ class FairShare(Base):
     __tablename__ = "fair_shares"
 
     priority_class: Mapped[str] = mapped_column(String(8), primary_key=True)
+    pool: Mapped[str] = mapped_column(String(32), primary_key=True, default=STABLE_POOL)
     tenant_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True)
     pass_: Mapped[float] = mapped_column("pass", Float)
 
 
 class FairClock(Base):
-    """A class's virtual time: the start time of the job of that class claimed last (shared/jobs/fairness.py)."""
+    """A class's virtual time in a pool: the start time of the job of that class and pool claimed last
+    (shared/jobs/fairness.py)."""
 
     __tablename__ = "fair_clocks"
 
     priority_class: Mapped[str] = mapped_column(String(8), primary_key=True)
+    pool: Mapped[str] = mapped_column(String(32), primary_key=True, default=STABLE_POOL)
     vtime: Mapped[float] = mapped_column(Float)
+
+
+class Pool(Base):
+    """A worker pool's routing rule (shared/pools): its share of the split and whether it is in routing. A pool
+    without a row takes no split share; ``stable`` always has one and is always routable (it is the fallback)."""
+
+    __tablename__ = "pools"
+    __table_args__ = (CheckConstraint("split_percent >= 0 AND split_percent <= 100", name="ck_pools_split_percent"),)
+
+    name: Mapped[str] = mapped_column(String(32), primary_key=True)
+    split_percent: Mapped[float] = mapped_column(Float, default=0.0, server_default=text("0"))
+    # routable | rolled_back (an operator's roll back) | tripped (its failure-rate breaker)
+    state: Mapped[str] = mapped_column(String(16), default="routable", server_default=text("'routable'"))
+    state_reason: Mapped[str] = mapped_column(Text, default="", server_default=text("''"))
+    state_changed_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+
+
+class TenantPool(Base):
+    """A tenant's routing: the pool it is assigned to (null: the split decides), and whether it may choose a pool
+    with the ``X-Vidq-Pool`` header."""
+
+    __tablename__ = "tenant_pools"
+
+    tenant_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True)
+    pool: Mapped[str | None] = mapped_column(ForeignKey("pools.name", ondelete="SET NULL"))
+    may_choose: Mapped[bool] = mapped_column(Boolean, default=False, server_default=text("false"))
 
 
 class JobTransition(Base):

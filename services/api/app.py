@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from starlette.types import Receive, Scope, Send
 
 from services.api import health
+from services.api.admin import pools as admin_pools
 from services.api.admin import routes as admin
 from services.api.admission import Door, door_kwargs
 from services.api.console import routes as console
@@ -23,6 +24,7 @@ from services.api.jobs.estimates import Estimator
 from services.api.jobs.progress_hub import ProgressHub
 from services.api.jobs.watermark import Watermark
 from services.api.metrics import RequestTiming
+from services.api.pools import PoolRouter
 from services.api.store import JobStore
 from services.api.videos import routes as videos
 from services.api.webhooks import routes as webhooks
@@ -66,8 +68,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # One Redis pub/sub connection feeds every progress stream of this process (jobs/events.py).
         app.state.progress_hub = ProgressHub(settings)
         await app.state.progress_hub.start()
+        # Worker pools: the routing rules and live pools, in memory (services/api/pools.py).
+        app.state.pools = PoolRouter(settings, app.state.store)
+        await app.state.pools.start()
         # The admission watermark: the check each submit makes, and this process's share of stepping it.
-        app.state.watermark = Watermark(settings)
+        app.state.watermark = Watermark(settings, pools=app.state.pools.known_pools)
         app.state.watermark.start()
         app.state.estimator = Estimator(settings, app.state.store, workers=app.state.watermark.live_workers)
         app.state.estimator.start()
@@ -84,6 +89,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             sweeper_thread.join(timeout=10)
         await app.state.estimator.close()
         await app.state.watermark.close()
+        await app.state.pools.close()
         await app.state.progress_hub.close()
         await app.state.store.close()
         app.state.engine.dispose()
@@ -102,6 +108,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(events.router)
     app.include_router(webhooks.router)
     app.include_router(admin.router)
+    app.include_router(admin_pools.router)
     app.include_router(console.router)
     app.include_router(videos.router)  # OpenAI's videos API over the same jobs
 

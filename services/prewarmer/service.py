@@ -34,7 +34,8 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from shared.infra.config import Settings
 from shared.infra.tracing import stage_span
-from shared.queues import Queue
+from shared.pools.live import live_workers
+from shared.queues import STABLE_POOL, video_queues
 from shared.render.precision import compute_dtype, dtype_from_name, dtype_name, resolve_device
 from shared.render.text import EncoderIdentity, TextEncoder, build_text_encoder
 from shared.textcache.codec import pack
@@ -219,12 +220,18 @@ class Prewarmer:
         return self.settings.prewarmer_concurrency * (2 if self.compensating else 1)
 
     def _queued_from_broker(self, per_queue: int) -> Sequence[QueuedPrompts]:
-        """Up to ``per_queue`` jobs of each video queue, queue by queue in the workers' order, newest first."""
+        """Up to ``per_queue`` jobs of each video queue of every pool with a live worker (stable's always), queue by
+        queue in the workers' order, newest first."""
+        try:
+            pools = sorted(set(live_workers(self.control, self.settings)) - {STABLE_POOL})
+        except redis.RedisError:
+            pools = []
         ids = [
             job_id
-            for queue in Queue.video()
+            for pool in (STABLE_POOL, *pools)
+            for queue in video_queues(pool)
             for job_id in peek_job_ids(
-                self.control, prefix=self.prefix, queues=[queue.value], limit=per_queue, order="newest"
+                self.control, prefix=self.prefix, queues=[queue], limit=per_queue, order="newest"
             )
         ]
         return queued_prompts(self.settings, ids)

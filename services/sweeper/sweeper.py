@@ -29,20 +29,27 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
+import redis
 from sqlalchemy import text
 from sqlalchemy.orm import Session, sessionmaker
 
 from shared.infra.config import Settings
+from shared.infra.redis_clients import broker_client
 from shared.jobs import repository
 from shared.jobs.states import recover_expired
 from shared.jobs.status import JobStatus
 from shared.messaging.celery_app import VidqCelery
 from shared.messaging.dispatch import flush_send_records, send_job_after_commit, send_webhook_after_commit
+from shared.pools.breaker import evaluate
+from shared.pools.live import live_workers
+from shared.pools.rules import PoolState
+from shared.pools.store import reroute_queued, waiting_pools
 from shared.webhooks import deliveries
 
 log = logging.getLogger("vidq.sweeper")
@@ -63,6 +70,8 @@ class SweepReport:
     promoted: list[uuid.UUID] = field(default_factory=list)
     webhooks: list[uuid.UUID] = field(default_factory=list)
     webhook_retries: list[uuid.UUID] = field(default_factory=list)
+    rerouted: list[uuid.UUID] = field(default_factory=list)  # queued jobs moved to stable from another pool
+    tripped: list[str] = field(default_factory=list)  # pools their breaker took out of routing
     keys_expired: int = 0
     skipped: bool = False
 
@@ -75,12 +84,21 @@ class Sweeper:
         self.settings = settings
         self.celery = celery
         self.sessions = sessions
+        self._pool_seen_live: dict[str, float] = {}  # pool → monotonic time it last had a live worker (or was met)
 
     def sweep_once(self) -> SweepReport:
         report = SweepReport()
         self._sweep(report)
         if any(
-            (report.requeued, report.failed, report.resent, report.promoted, report.webhooks, report.webhook_retries)
+            (
+                report.requeued,
+                report.failed,
+                report.resent,
+                report.promoted,
+                report.webhooks,
+                report.webhook_retries,
+                report.rerouted,
+            )
         ):
             log.info(
                 "sweep",
@@ -91,12 +109,21 @@ class Sweeper:
                     "promoted": len(report.promoted),
                     "webhooks": len(report.webhooks),
                     "webhook_retries": len(report.webhook_retries),
+                    "rerouted": len(report.rerouted),
+                    "tripped": report.tripped,
                 },
             )
         return report
 
     def _sweep(self, report: SweepReport) -> None:
-        steps: list[Step] = [self._leases, self._unsent_or_lost, self._aging, self._webhooks, self._webhook_retries]
+        steps: list[Step] = [
+            self._leases,
+            self._unsent_or_lost,
+            self._aging,
+            self._pools,
+            self._webhooks,
+            self._webhook_retries,
+        ]
         for step in steps:
             if self._run(step, report) is None:
                 return
@@ -150,6 +177,46 @@ class Sweeper:
             report.promoted.append(job.id)
             send_job_after_commit(session, self.celery, job)  # to the new class's queue, after the commit
         return len(jobs)
+
+    def _pools(self, session: Session, now: datetime, report: SweepReport) -> int:
+        """Worker pools (shared/pools): trip the breaker of a pool whose jobs fail too often; move to stable the queued
+        jobs of a pool out of routing (rolled back, tripped) or without a live worker for pool_reroute_after_s."""
+        for trip in evaluate(session, self.celery, self.settings):
+            report.tripped.append(trip.pool)
+            report.rerouted += trip.moved
+        queued = waiting_pools(session)
+        live = self._live_pools()
+        moved = 0
+        for pool, state in queued.items():
+            if state != PoolState.ROUTABLE.value:
+                reason = state
+            elif live is None or self._recently_live(pool, live):
+                continue
+            else:
+                reason = "no_live_worker"
+            jobs = reroute_queued(session, self.celery, pool, limit=_BATCH)
+            if jobs:
+                log.warning("queued jobs moved to stable", extra={"pool": pool, "reason": reason, "jobs": len(jobs)})
+            report.rerouted += jobs
+            moved += len(jobs)
+        return moved
+
+    def _live_pools(self) -> dict[str, int] | None:
+        """Live workers per pool; None when the broker's Redis does not answer (nothing is moved for it then)."""
+        client = self.celery.resource("pools-live", lambda: broker_client(self.settings, retries=0))
+        try:
+            return live_workers(client, self.settings)
+        except (redis.RedisError, OSError):
+            return None
+
+    def _recently_live(self, pool: str, live: dict[str, int]) -> bool:
+        """Whether ``pool`` had a live worker within pool_reroute_after_s (a pool first met now counts as live: its
+        workers may be loading their model)."""
+        now = time.monotonic()
+        if live.get(pool, 0) > 0:
+            self._pool_seen_live[pool] = now
+            return True
+        return now - self._pool_seen_live.setdefault(pool, now) < self.settings.pool_reroute_after_s
 
     def _keys(self, session: Session, now: datetime, report: SweepReport) -> int:
         deleted = repository.expire_keys(session, now=now, limit=_KEY_BATCH)

@@ -25,7 +25,7 @@ from shared.infra.db import db_unreachable, session_scope
 from shared.jobs.fairness import claim_riders
 from shared.messaging.celery_app import VidqCelery
 from shared.models import Job
-from shared.queues import PriorityClass
+from shared.queues import PriorityClass, video_queue
 from shared.spec import GenerationSpec
 
 log = logging.getLogger("vidq.worker.batching")
@@ -58,17 +58,22 @@ def window_s(settings: Settings, klass: PriorityClass, *, backlog: int, limit: i
     return low + (high - low) * min(1.0, backlog / max(1, 4 * limit))
 
 
-def gather_riders(claimed: Claimed, *, klass: PriorityClass, celery: VidqCelery, worker: str) -> list[Claimed]:
-    """Claim the jobs that render with ``claimed`` (none where the batch table says it renders alone)."""
+def gather_riders(
+    claimed: Claimed, *, klass: PriorityClass, pool: str, celery: VidqCelery, worker: str
+) -> list[Claimed]:
+    """Claim the jobs of ``klass`` in ``pool`` that render with ``claimed`` (none where the batch table says it renders
+    alone)."""
     settings = celery.settings
     limit = load(settings.worker_batch_table, settings.device).max_batch(claimed.spec) - 1
     if limit <= 0:
         return []
-    deadline = time.monotonic() + window_s(settings, klass, backlog=_backlog(celery, klass), limit=limit + 1)
+    deadline = time.monotonic() + window_s(settings, klass, backlog=_backlog(celery, klass, pool), limit=limit + 1)
     riders: list[Claimed] = []
     while True:
         try:
-            riders += _claim_riders(claimed, klass=klass, settings=settings, worker=worker, limit=limit - len(riders))
+            riders += _claim_riders(
+                claimed, klass=klass, pool=pool, settings=settings, worker=worker, limit=limit - len(riders)
+            )
         except Exception as exc:
             if not db_unreachable(exc):
                 raise
@@ -84,7 +89,7 @@ def gather_riders(claimed: Claimed, *, klass: PriorityClass, celery: VidqCelery,
 
 
 def _claim_riders(
-    claimed: Claimed, *, klass: PriorityClass, settings: Settings, worker: str, limit: int
+    claimed: Claimed, *, klass: PriorityClass, pool: str, settings: Settings, worker: str, limit: int
 ) -> list[Claimed]:
     with session_scope(settings) as session:
         jobs = claim_riders(
@@ -95,15 +100,17 @@ def _claim_riders(
             worker_id=worker,
             lease_s=settings.lease_s,
             weights=settings.fair_share_weights,
+            pool=pool,
         )
         return [Claimed.of(job) for job in jobs]
 
 
-def _backlog(celery: VidqCelery, klass: PriorityClass) -> int:
-    """Messages waiting on the class's queue; 0 when the broker does not say (the window is then its shortest)."""
+def _backlog(celery: VidqCelery, klass: PriorityClass, pool: str) -> int:
+    """Messages waiting on the class's queue in ``pool``; 0 when the broker does not say (the window is then its
+    shortest)."""
     from services.worker.scheduling import scheduling_client
 
     try:
-        return int(scheduling_client(celery).llen(f"{celery.settings.broker_key_prefix}{klass.queue.value}"))
+        return int(scheduling_client(celery).llen(f"{celery.settings.broker_key_prefix}{video_queue(klass, pool)}"))
     except (redis.RedisError, OSError):
         return 0

@@ -14,7 +14,7 @@ import torch
 
 from shared.infra.config import Settings
 from shared.messaging.celery_app import VidqCelery
-from shared.queues import Queue
+from shared.queues import video_queues
 from shared.render.pipeline import TextRows, VideoPipeline
 from shared.render.precision import resolve_device
 from shared.render.text import EncoderIdentity, encoder_identity
@@ -55,11 +55,12 @@ def remote_encoder(celery: VidqCelery) -> RemoteEncoder:
 
 
 def _neighbours(celery: VidqCelery, count: int) -> Sequence[tuple[EncoderIdentity, str]]:
-    """The texts of the next ``count`` jobs the video queues will hand out, in the order workers take them."""
+    """The texts of the next ``count`` jobs this worker's pool's video queues will hand out, in the order its workers
+    take them."""
     settings = celery.settings
     client = celery.resource("cache_control", lambda: control_client(settings))
     ids = peek_job_ids(
-        client, prefix=settings.broker_key_prefix, queues=[q.value for q in Queue.video()], limit=count, order="next"
+        client, prefix=settings.broker_key_prefix, queues=video_queues(settings.worker_pool), limit=count, order="next"
     )
     return [(_identity(settings, job.model), text) for job in queued_prompts(settings, ids) for text in job.texts]
 

@@ -10,19 +10,18 @@ import tempfile
 from collections.abc import Callable
 
 from shared.infra.config import Settings
-from shared.queues import Queue
+from shared.queues import STABLE_POOL, Queue, video_queues
 
 
 class Role(enum.StrEnum):
-    VIDEO = "video"  # the video queues, in strict priority order
+    VIDEO = "video"  # the video queues of the worker's pool, in strict priority order
     WEBHOOKS = "webhooks"  # webhook deliveries: CPU only, never imports the render code
-    ALL = "all"  # every queue in one worker (the demo, tests)
+    ALL = "all"  # every queue of the worker's pool in one worker (the demo, tests)
 
-    @property
-    def queues(self) -> list[Queue]:
+    def queues(self, pool: str = STABLE_POOL) -> list[str]:
         if self is Role.WEBHOOKS:
-            return [Queue.WEBHOOKS]
-        return Queue.video() + ([Queue.WEBHOOKS] if self is Role.ALL else [])
+            return [Queue.WEBHOOKS.value]
+        return video_queues(pool) + ([Queue.WEBHOOKS.value] if self is Role.ALL else [])
 
 
 def run(settings: Settings, *, role: Role, concurrency: int, name: str, preload: bool) -> int:
@@ -48,7 +47,7 @@ def run(settings: Settings, *, role: Role, concurrency: int, name: str, preload:
         [
             "worker",
             "--loglevel=INFO",
-            f"--queues={','.join(q.value for q in role.queues)}",
+            f"--queues={','.join(role.queues(settings.worker_pool))}",
             f"--concurrency={concurrency}",
             "--pool=prefork",
             "--prefetch-multiplier=1",
@@ -78,7 +77,9 @@ def run_gpus(settings: Settings, spec: str, *, name: str, preload: bool, vidq: C
     extra = [] if preload else ["--no-preload"]
     workers = GpuWorkers(
         chosen,
-        argv=lambda gpu: vidq("worker", "--role", "video", "--name", f"{name}-gpu{gpu.index}", *extra),
+        argv=lambda gpu: vidq(
+            "worker", "--role", "video", "--name", f"{name}-gpu{gpu.index}", "--pool", settings.worker_pool, *extra
+        ),
         env=lambda gpu, i: worker_env(
             gpu,
             os.environ,

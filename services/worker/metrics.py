@@ -27,11 +27,19 @@ log = logging.getLogger("vidq.worker.metrics")
 
 _STAGE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640, 1800)
 STAGE_SECONDS = Histogram("vidq_worker_stage_seconds", "Seconds per job stage", ["stage"], buckets=_STAGE_BUCKETS)
+# Per worker pool (shared/pools), so a canary and stable show side by side; a worker's pool is its process's.
 QUEUE_WAIT = Histogram(
-    "vidq_worker_queue_wait_seconds", "From submit to claim", ["priority_class"], buckets=_STAGE_BUCKETS
+    "vidq_worker_queue_wait_seconds", "From submit to claim", ["priority_class", "pool"], buckets=_STAGE_BUCKETS
 )
-JOBS = Counter("vidq_worker_jobs_total", "Jobs handled, by outcome", ["outcome"])
-FAILURES = Counter("vidq_worker_failures_total", "Failed jobs, by error code", ["code"])
+JOBS = Counter("vidq_worker_jobs_total", "Jobs handled, by outcome", ["outcome", "pool"])
+FAILURES = Counter("vidq_worker_failures_total", "Failed jobs, by error code", ["code", "pool"])
+_STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32)
+RENDER_STEP_SECONDS = Histogram(
+    "vidq_worker_render_step_seconds",
+    "Denoising seconds per step of a rendered job, by pool, model and shape (WxHxF)",
+    ["pool", "model", "shape"],
+    buckets=_STEP_BUCKETS,
+)
 BUSY = Gauge("vidq_worker_busy", "1 while rendering", multiprocess_mode="livesum")
 
 

@@ -23,7 +23,7 @@ from urllib3.exceptions import HTTPError as Urllib3Error
 from services.worker.batching import Claimed
 from services.worker.breakers import model_breaker, s3_breaker
 from services.worker.lease import Lease
-from services.worker.metrics import STAGE_SECONDS
+from services.worker.metrics import RENDER_STEP_SECONDS, STAGE_SECONDS
 from shared.errors import EmbeddingsUnavailable, JobCancelled, LeaseLost, ModelUnavailable
 from shared.infra import retries
 from shared.infra.breakers import CircuitBreaker, CircuitOpen
@@ -305,6 +305,9 @@ def store(
         record["degraded"] = rendered.degradation.record()
         steps = rendered.degradation.rendered.steps
         output["result_key"] = None
+    if "denoise" in timings and steps:  # a pool's render speed, comparable across pools per shape
+        shape = f"{spec.width}x{spec.height}x{spec.num_frames}"
+        RENDER_STEP_SECONDS.labels(settings.worker_pool, spec.model, shape).observe(timings["denoise"] / steps)
     return {
         **output,
         "output_key": video.key,

@@ -40,7 +40,7 @@ from shared.messaging.celery_app import VidqCelery
 from shared.messaging.dispatch import after_transition_commit
 from shared.messaging.progress import ProgressPublisher
 from shared.models import Job
-from shared.queues import PriorityClass
+from shared.queues import STABLE_POOL, PriorityClass
 
 log = logging.getLogger("vidq.worker.runner")
 
@@ -88,6 +88,7 @@ def run_job(
     job_id: uuid.UUID,
     *,
     klass: PriorityClass | None,
+    pool: str = STABLE_POOL,
     settings: Settings,
     celery: VidqCelery,
     storage: Storage,
@@ -97,15 +98,17 @@ def run_job(
     finisher (``worker_overlap``; its end is counted there), else how it ended ("succeeded", "dropped", "cancelled",
     "failed", …). Every job's end is counted in ``vidq_worker_jobs_total`` where it happens.
 
-    ``klass``: the class whose queue the message came from. The message is then that class's turn, and the job
-    claimed is the class's next one in the fair order between tenants (shared/jobs/fairness.py), usually ``job_id``
-    itself. None: exactly ``job_id`` is claimed, or nothing.
+    ``klass``: the class whose queue (of ``pool``) the message came from. The message is then that class's turn in
+    the pool, and the job claimed is the class's next one in the pool's fair order between tenants
+    (shared/jobs/fairness.py), usually ``job_id`` itself. None: exactly ``job_id`` is claimed, or nothing.
 
     ``progress`` tells the API's progress streams about the claim, each step, and every commit that takes the job
     out of running ("finished": they read Postgres for the rest). It never raises; a lost message only delays a
     stream until its resync."""
     try:
-        outcome = _run_job(job_id, klass=klass, settings=settings, celery=celery, storage=storage, progress=progress)
+        outcome = _run_job(
+            job_id, klass=klass, pool=pool, settings=settings, celery=celery, storage=storage, progress=progress
+        )
     except Exception as exc:
         # Only after the claim (a claim that cannot reach Postgres raises ClaimDeferred): the database stayed
         # down through every retry of the release, fail or cancel. The job is left running under a lease nobody
@@ -123,7 +126,7 @@ def run_job(
 def _counted(outcome: str, celery: VidqCelery) -> str:
     """``outcome``, counted in the metrics and, for a job that left the queue for good or for another attempt, in
     the fleet's service rate."""
-    JOBS.labels(outcome).inc()
+    JOBS.labels(outcome, celery.settings.worker_pool).inc()
     if outcome not in ("dropped", "abandoned"):
         job_done(celery)
     return outcome
@@ -133,6 +136,7 @@ def _run_job(
     message_job_id: uuid.UUID,
     *,
     klass: PriorityClass | None,
+    pool: str,
     settings: Settings,
     celery: VidqCelery,
     storage: Storage,
@@ -154,6 +158,7 @@ def _run_job(
                     worker_id=worker_id(),
                     lease_s=settings.lease_s,
                     weights=settings.fair_share_weights,
+                    pool=pool,
                 )
             if job is None:
                 return None
@@ -166,7 +171,9 @@ def _run_job(
                 }
             )
             if job.attempt == 1 and job.started_at is not None:  # a retry's wait would count the failed attempt
-                QUEUE_WAIT.labels(job.priority_class).observe((job.started_at - job.created_at).total_seconds())
+                QUEUE_WAIT.labels(job.priority_class, job.pool).observe(
+                    (job.started_at - job.created_at).total_seconds()
+                )
             return Claimed.of(job)
 
     # Postgres down: the message is this job's only pointer in the broker (acks_late: it is acked when the task
@@ -194,7 +201,9 @@ def _run_job(
         log.info("nothing to claim (already running, finished or cancelled); message dropped", extra=ctx)
         return _counted("dropped", celery)
     # Compatible jobs waiting in the same class ride along in one batch where the batch table says it pays.
-    riders = gather_riders(claimed, klass=klass, celery=celery, worker=worker_id()) if klass is not None else []
+    riders = (
+        gather_riders(claimed, klass=klass, pool=pool, celery=celery, worker=worker_id()) if klass is not None else []
+    )
     # Another job than the message's (its tenant's turn came first): its stages go to its own trace.
     traceparent = claimed.traceparent if claimed.job_id != message_job_id else None
     with continuing(traceparent):
@@ -401,6 +410,6 @@ def _fail(
     code: str,
     message: str,
 ) -> str:
-    FAILURES.labels(code).inc()
+    FAILURES.labels(code, settings.worker_pool).inc()
     _settle(settings, celery, lambda s: fail(s, job_id, token=token, code=code, message=message))
     return "failed"

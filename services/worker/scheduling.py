@@ -84,7 +84,7 @@ def start_sampler(settings: Settings, *, worker: str) -> None:
             value = sample()
             smoothed = value if smoothed is None else alpha * value + (1 - alpha) * smoothed
             try:
-                publish_utilization(client, settings, worker=worker, utilization=smoothed)
+                publish_utilization(client, settings, worker=worker, utilization=smoothed, pool=settings.worker_pool)
                 failing = False
             except (redis.RedisError, OSError) as exc:
                 if not failing:  # once per outage

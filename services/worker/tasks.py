@@ -11,7 +11,7 @@ from celery.exceptions import Reject
 from services.worker.app import wait_for_models
 from services.worker.handback import hand_back
 from services.worker.runner import ClaimDeferred, run_job
-from shared.queues import TASK_GENERATE, class_of_queue
+from shared.queues import TASK_GENERATE, parse_video_queue
 
 
 @shared_task(name=TASK_GENERATE, bind=True, acks_late=True, ignore_result=True)
@@ -22,10 +22,13 @@ def generate(self: Task, job_id: str) -> str:
         # Unclaimed, so the message goes back whole; the liveness probe is failing and the process will be replaced.
         raise Reject("models not ready", requeue=True)
     app = self.app
+    # The queue the message came from: its class, in this worker's pool.
+    lane = parse_video_queue((self.request.delivery_info or {}).get("routing_key"))
     try:
         return run_job(
             uuid.UUID(job_id),
-            klass=class_of_queue((self.request.delivery_info or {}).get("routing_key")),
+            klass=None if lane is None else lane[0],
+            pool=app.settings.worker_pool if lane is None else lane[1],
             settings=app.settings,
             celery=app,
             storage=app.storage,

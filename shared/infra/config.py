@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import Field, PostgresDsn, RedisDsn, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared.queues import POOL_NAME
 from shared.spec import Precision, parse_shape
 
 MonitoredTier = Literal["overall", "l1", "l2", "l3"]
@@ -323,6 +324,26 @@ class Settings(BaseSettings):
     otel_batch_delay_ms: int = 5000  # spans are exported in batches at least this often
     otel_sample_ratio: float = Field(default=1.0, ge=0, le=1)  # share of jobs (traces) recorded
 
+    # --- worker pools and canary release (shared/pools) ------------------------------------------------------------
+    # The pool this worker joins (`vidq worker --pool`): it consumes only that pool's queues (video.high.<pool> …;
+    # the stable pool's are video.high …).
+    worker_pool: str = "stable"
+    # Each API process re-reads the routing rules (pools, splits, tenant assignments) from Postgres this often: a
+    # change through `vidq pools` or /v1/admin/pools takes effect within it.
+    pool_rules_refresh_s: float = Field(default=2.0, gt=0)
+    # A worker announces its pool with every utilisation sample; a pool none of whose workers was heard from this
+    # long has no live worker: it receives no new job (its share falls back to stable).
+    pool_worker_stale_s: float = Field(default=15.0, gt=0)
+    # The sweeper moves the queued jobs of a pool that has had no live worker this long to stable (a pool whose
+    # workers restart, loading their model, keeps its jobs meanwhile).
+    pool_reroute_after_s: float = Field(default=180.0, gt=0)
+    # A pool's failure-rate breaker (the sweeper): at least pool_breaker_min_jobs jobs of the pool finished within
+    # pool_breaker_window_s and at least pool_breaker_failure_ratio of them failed → the pool is taken out of
+    # routing (state tripped) and its queued jobs go to stable; an operator puts it back (`vidq pools set-split`).
+    pool_breaker_window_s: float = Field(default=600.0, gt=0)
+    pool_breaker_min_jobs: int = Field(default=20, ge=1)
+    pool_breaker_failure_ratio: float = Field(default=0.5, gt=0, le=1)
+
     # --- operators ----------------------------------------------------------------------------------------------
     # Bearer token of the operator endpoints (/v1/admin/…: cache statistics). Empty: those endpoints answer 404.
     admin_token: str = ""
@@ -359,6 +380,13 @@ class Settings(BaseSettings):
         if self.watermark_util_idle > self.watermark_util_busy:
             raise ValueError("VIDQ_WATERMARK_UTIL_IDLE must not exceed VIDQ_WATERMARK_UTIL_BUSY")
         return self
+
+    @field_validator("worker_pool")
+    @classmethod
+    def _pool(cls, pool: str) -> str:
+        if not POOL_NAME.match(pool):
+            raise ValueError(f"a pool name is 1-32 of a-z, 0-9 and '-', starting with a letter: {pool!r}")
+        return pool
 
     @field_validator("fair_share_weights")
     @classmethod

@@ -24,6 +24,9 @@ candidates (``next_turn``), so a job never loses its message to one that has non
 
 Claims of one class are serialised by a transaction-scoped advisory lock: two workers never read the same order and
 pick the same job. A claim happens once per render, seconds apart, so the lock is never contended for long.
+
+Each worker pool (shared/pools) has its own queues and so its own fair order per class: a message of a pool's queue
+is a turn of that class in that pool, and claims only that pool's jobs; passes and clocks are kept per pool.
 """
 
 from __future__ import annotations
@@ -38,31 +41,32 @@ from sqlalchemy.orm import Session
 
 from shared.jobs.states import claim
 from shared.models import Job
-from shared.queues import PriorityClass
+from shared.queues import STABLE_POOL, PriorityClass
 from shared.spec import GenerationSpec
 
-# The per-class lock key space: pg_advisory_xact_lock(hashtext('vidq.fair.<class>')).
-_LOCK = text("SELECT pg_advisory_xact_lock(hashtext('vidq.fair.' || :klass))")
+# The per-class-and-pool lock key space: pg_advisory_xact_lock(hashtext('vidq.fair.<class>.<pool>')).
+_LOCK = text("SELECT pg_advisory_xact_lock(hashtext('vidq.fair.' || :klass || '.' || :pool))")
 
-# The oldest queued job of each tenant in the class (ix_jobs_queued_fair), each tenant's start time, in fair order.
+# The oldest queued job of each tenant in the class and pool (ix_jobs_queued_fair), each tenant's start time, in fair
+# order.
 # The scan is O(queued jobs of the class), which the admission watermark bounds.
 _NEXT = text(
     """
     WITH heads AS (
         SELECT DISTINCT ON (j.tenant_id) j.id, j.tenant_id, j.created_at
         FROM jobs j
-        WHERE j.status = 'queued' AND j.priority_class = :klass
+        WHERE j.status = 'queued' AND j.priority_class = :klass AND j.pool = :pool
           AND NOT j.cancel_requested AND j.attempt < j.max_attempts
           AND (j.enqueued_at IS NOT NULL OR j.id = :offered)
         ORDER BY j.tenant_id, j.created_at, j.id
     ),
     clock AS (
-        SELECT coalesce((SELECT vtime FROM fair_clocks WHERE priority_class = :klass), 0.0) AS v
+        SELECT coalesce((SELECT vtime FROM fair_clocks WHERE priority_class = :klass AND pool = :pool), 0.0) AS v
     )
     SELECT h.id, h.tenant_id, greatest(coalesce(s.pass, 0.0), clock.v) AS start
     FROM heads h
     CROSS JOIN clock
-    LEFT JOIN fair_shares s ON s.priority_class = :klass AND s.tenant_id = h.tenant_id
+    LEFT JOIN fair_shares s ON s.priority_class = :klass AND s.pool = :pool AND s.tenant_id = h.tenant_id
     ORDER BY start, h.created_at, h.id
     LIMIT 1
     """
@@ -78,17 +82,20 @@ _CHARGE = text(
     ),
     start AS (
         SELECT greatest(
-            coalesce((SELECT pass FROM fair_shares WHERE priority_class = :klass AND tenant_id = :tenant), 0.0),
-            coalesce((SELECT vtime FROM fair_clocks WHERE priority_class = :klass), 0.0)
+            coalesce(
+                (SELECT pass FROM fair_shares WHERE priority_class = :klass AND pool = :pool AND tenant_id = :tenant),
+                0.0
+            ),
+            coalesce((SELECT vtime FROM fair_clocks WHERE priority_class = :klass AND pool = :pool), 0.0)
         ) AS s
     ),
     share AS (
-        INSERT INTO fair_shares (priority_class, tenant_id, pass)
-        SELECT :klass, :tenant, start.s + 1.0 / weight.w FROM weight CROSS JOIN start
-        ON CONFLICT (priority_class, tenant_id) DO UPDATE SET pass = excluded.pass
+        INSERT INTO fair_shares (priority_class, pool, tenant_id, pass)
+        SELECT :klass, :pool, :tenant, start.s + 1.0 / weight.w FROM weight CROSS JOIN start
+        ON CONFLICT (priority_class, pool, tenant_id) DO UPDATE SET pass = excluded.pass
     )
-    INSERT INTO fair_clocks (priority_class, vtime) SELECT :klass, start.s FROM start WHERE :moves_clock
-    ON CONFLICT (priority_class) DO UPDATE SET vtime = greatest(fair_clocks.vtime, excluded.vtime)
+    INSERT INTO fair_clocks (priority_class, pool, vtime) SELECT :klass, :pool, start.s FROM start WHERE :moves_clock
+    ON CONFLICT (priority_class, pool) DO UPDATE SET vtime = greatest(fair_clocks.vtime, excluded.vtime)
     """
 )
 
@@ -101,27 +108,39 @@ class Turn:
     tenant_id: uuid.UUID
 
 
-def next_turn(session: Session, klass: PriorityClass, *, offered: uuid.UUID) -> Turn | None:
-    """The job to claim for ``offered``'s message, taken from the queue of ``klass``; None when the class has no
-    claimable job. Locks the class's fair order until the caller's transaction ends (call ``charge`` in it once the
-    claim succeeded).
+def next_turn(session: Session, klass: PriorityClass, *, offered: uuid.UUID, pool: str = STABLE_POOL) -> Turn | None:
+    """The job to claim for ``offered``'s message, taken from the queue of ``klass`` in ``pool``; None when the class
+    has no claimable job there. Locks the class's fair order in the pool until the caller's transaction ends (call
+    ``charge`` in it once the claim succeeded).
 
     Candidates are the jobs already sent (``enqueued_at`` recorded) and the message's own: each has a message on its
-    way, so whichever is claimed, a message is left for every job still waiting. A job committed but not sent yet
-    has none; it is claimed through its own message once the sender (or the sweeper) sends it."""
-    session.execute(_LOCK, {"klass": klass.value})
-    row = session.execute(_NEXT, {"klass": klass.value, "offered": offered}).first()
+    way, so whichever is claimed, a message is left for every job still waiting. A job committed but not sent yet has
+    none; it is claimed through its own message once the sender (or the sweeper) sends it."""
+    session.execute(_LOCK, {"klass": klass.value, "pool": pool})
+    row = session.execute(_NEXT, {"klass": klass.value, "pool": pool, "offered": offered}).first()
     if row is None:
         return None
     return Turn(job_id=row.id, tenant_id=row.tenant_id)
 
 
 def charge(
-    session: Session, klass: PriorityClass, tenant: uuid.UUID, *, weights: Mapping[str, float], moves_clock: bool
+    session: Session,
+    klass: PriorityClass,
+    tenant: uuid.UUID,
+    *,
+    weights: Mapping[str, float],
+    moves_clock: bool,
+    pool: str = STABLE_POOL,
 ) -> None:
-    """Advance ``tenant`` past the job of ``klass`` it just claimed; ``moves_clock``: it was the class's turn (not a
-    batch's rider), so the class's clock moves to its start."""
-    params = {"klass": klass.value, "tenant": tenant, "weights": json.dumps(dict(weights)), "moves_clock": moves_clock}
+    """Advance ``tenant`` past the job of ``klass`` (in ``pool``) it just claimed; ``moves_clock``: it was the class's
+    turn (not a batch's rider), so the class's clock moves to its start."""
+    params = {
+        "klass": klass.value,
+        "pool": pool,
+        "tenant": tenant,
+        "weights": json.dumps(dict(weights)),
+        "moves_clock": moves_clock,
+    }
     session.execute(_CHARGE, params)
 
 
@@ -133,15 +152,16 @@ def claim_next(
     worker_id: str,
     lease_s: float,
     weights: Mapping[str, float],
+    pool: str = STABLE_POOL,
 ) -> Job | None:
-    """Claim the class's next job in the fair order (queued → running, shared/jobs/states.py ``claim``) and charge its
-    tenant, in the caller's transaction; None when the class has nothing to claim."""
-    turn = next_turn(session, klass, offered=offered)
+    """Claim the class's next job in ``pool``'s fair order (queued → running, shared/jobs/states.py ``claim``) and
+    charge its tenant, in the caller's transaction; None when the class has nothing to claim there."""
+    turn = next_turn(session, klass, offered=offered, pool=pool)
     if turn is None:
         return None
     job = claim(session, turn.job_id, worker_id=worker_id, lease_s=lease_s)
     if job is not None:  # the row was read under the class's lock: only a cancel in between can refuse the claim
-        charge(session, klass, turn.tenant_id, weights=weights, moves_clock=True)
+        charge(session, klass, turn.tenant_id, weights=weights, moves_clock=True, pool=pool)
     return job
 
 
@@ -151,7 +171,7 @@ def claim_next(
 _RIDERS = text(
     """
     SELECT j.id, j.tenant_id FROM jobs j
-    WHERE j.status = 'queued' AND j.priority_class = :klass AND j.spec @> CAST(:key AS jsonb)
+    WHERE j.status = 'queued' AND j.priority_class = :klass AND j.pool = :pool AND j.spec @> CAST(:key AS jsonb)
       AND NOT jsonb_exists_any(j.spec, CAST(:absent AS text[]))
       AND NOT j.cancel_requested AND j.attempt < j.max_attempts AND j.enqueued_at IS NOT NULL
     ORDER BY j.created_at, j.id
@@ -169,23 +189,24 @@ def claim_riders(
     worker_id: str,
     lease_s: float,
     weights: Mapping[str, float],
+    pool: str = STABLE_POOL,
 ) -> list[Job]:
-    """Claim up to ``limit`` queued jobs of ``klass`` whose spec matches ``key`` (the fields a batch shares), oldest
-    first, under the class's lock, each charged to its tenant as a turn. Their messages stay on the queue and, as
-    any message left over, claim the class's next job in turn."""
+    """Claim up to ``limit`` queued jobs of ``klass`` in ``pool`` whose spec matches ``key`` (the fields a batch
+    shares), oldest first, under the class's lock, each charged to its tenant as a turn. Their messages stay on the
+    queue and, as any message left over, claim the class's next job in turn."""
     if limit <= 0:
         return []
-    session.execute(_LOCK, {"klass": klass.value})
+    session.execute(_LOCK, {"klass": klass.value, "pool": pool})
     # As jobs.spec stores it: an optional field at its default is left out (a job that names no precision, uses no
     # step cache), so the key's such fields must be absent from a rider's spec.
     absent = [name for name, value in key.items() if GenerationSpec.left_out(name, value)]
     present = {name: value for name, value in key.items() if name not in absent}
-    params = {"klass": klass.value, "key": json.dumps(present), "absent": absent, "n": limit}
+    params = {"klass": klass.value, "pool": pool, "key": json.dumps(present), "absent": absent, "n": limit}
     rows = session.execute(_RIDERS, params).all()
     claimed = []
     for row in rows:
         job = claim(session, row.id, worker_id=worker_id, lease_s=lease_s)
         if job is not None:
-            charge(session, klass, row.tenant_id, weights=weights, moves_clock=False)  # a turn of its own
+            charge(session, klass, row.tenant_id, weights=weights, moves_clock=False, pool=pool)  # a turn of its own
             claimed.append(job)
     return claimed

@@ -80,6 +80,8 @@ def present_job(
         ),
         priority_class=job.priority_class,
         queue=job.queue,
+        pool=job.pool,
+        routed_by=job.routed_by,
         attempt=job.attempt,
         cancel_requested=job.cancel_requested,
         progress=ProgressOut(step=step, total=total, percent=round(100.0 * step / total, 1) if total else 0.0),

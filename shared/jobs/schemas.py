@@ -313,6 +313,11 @@ class JobOut(GenerationSpec):
     score: ScoreOut
     priority_class: str
     queue: str
+    pool: str = Field(description="the worker pool that renders the job (stable unless a routing rule chose another)")
+    routed_by: str = Field(
+        description="what chose the pool: default, header (X-Vidq-Pool), tenant (its assignment), split, fallback "
+        "(the chosen pool could not take it: stable), rerouted (moved to stable while queued)"
+    )
     attempt: int
     cancel_requested: bool
     progress: ProgressOut

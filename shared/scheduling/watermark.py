@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import uuid
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +32,8 @@ import redis
 import redis.asyncio as aioredis
 
 from shared.infra.config import Settings
-from shared.queues import PriorityClass, class_of_queue
+from shared.pools.live import live_key
+from shared.queues import STABLE_POOL, PriorityClass, class_of_queue, video_queue
 
 _scripts: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
 
@@ -66,8 +68,8 @@ class Keys:
     def reservations(self, klass: PriorityClass) -> str:  # sorted set: admissions by time
         return f"{self.prefix}vidq:sched:admitted:{klass.value}"
 
-    def queue(self, klass: PriorityClass) -> str:  # the class's message list (kombu's key)
-        return f"{self.prefix}{klass.queue.value}"
+    def queue(self, klass: PriorityClass, pool: str = STABLE_POOL) -> str:  # the class's message list in a pool
+        return f"{self.prefix}{video_queue(klass, pool)}"
 
 
 def keys(settings: Settings) -> Keys:
@@ -77,10 +79,15 @@ def keys(settings: Settings) -> Keys:
 # --- workers ---------------------------------------------------------------------------------------------------------
 
 
-def publish_utilization(client: redis.Redis, settings: Settings, *, worker: str, utilization: float) -> None:
+def publish_utilization(
+    client: redis.Redis, settings: Settings, *, worker: str, utilization: float, pool: str = STABLE_POOL
+) -> None:
     """A worker's smoothed utilisation, stamped with Redis's clock (read by the stepper, which forgets a worker
-    silent for ``scheduling_util_stale_s``)."""
-    _script(client, _PUBLISH_LUA)(keys=[keys(settings).utilization], args=[worker, f"{utilization:.4f}"])
+    silent for ``scheduling_util_stale_s``), and in the same call its pool (shared/pools/live.py)."""
+    _script(client, _PUBLISH_LUA)(
+        keys=[keys(settings).utilization, live_key(settings.broker_key_prefix)],
+        args=[worker, f"{utilization:.4f}", pool],
+    )
 
 
 def count_done(client: redis.Redis, settings: Settings) -> None:
@@ -90,7 +97,9 @@ def count_done(client: redis.Redis, settings: Settings) -> None:
 
 _PUBLISH_LUA = """
 local t = redis.call('TIME')
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[2] .. ' ' .. t[1] .. '.' .. string.format('%06d', tonumber(t[2])))
+local at = t[1] .. '.' .. string.format('%06d', tonumber(t[2]))
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2] .. ' ' .. at)
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[3] .. ' ' .. at)
 """
 
 
@@ -203,23 +212,31 @@ return out
 """
 
 
-def backlogs(client: redis.Redis, settings: Settings) -> dict[PriorityClass, int]:
-    """Each class's backlog now, counted as a submit's admission counts it: its waiting messages and the admissions
-    whose message is not out yet."""
+def backlogs(
+    client: redis.Redis, settings: Settings, pools: Sequence[str] = (STABLE_POOL,)
+) -> dict[PriorityClass, int]:
+    """Each class's backlog now, counted as a submit's admission counts it: its waiting messages in every pool of
+    ``pools`` and the admissions whose message is not out yet."""
     k = keys(settings)
     raw: list[Any] = _script(client, _BACKLOGS_LUA)(
-        keys=[*(k.queue(c) for c in PriorityClass), *(k.reservations(c) for c in PriorityClass)],
-        args=[settings.scheduling_reserve_s],
+        keys=[*(k.reservations(c) for c in PriorityClass), *(k.queue(c, p) for c in PriorityClass for p in pools)],
+        args=[settings.scheduling_reserve_s, len(pools)],
     )
     return {c: int(n) for c, n in zip(PriorityClass, raw, strict=True)}
 
 
+# KEYS: the classes' reservations, then each class's queues (ARGV[2] pools each, the classes in the same order).
 _BACKLOGS_LUA = """
 local t = redis.call('TIME')
 local since = '(' .. tostring(tonumber(t[1]) + tonumber(t[2]) / 1e6 - tonumber(ARGV[1]))
-local n = #KEYS / 2
+local per = tonumber(ARGV[2])
+local n = (#KEYS) / (1 + per)
 local out = {}
-for i = 1, n do out[i] = redis.call('LLEN', KEYS[i]) + redis.call('ZCOUNT', KEYS[n + i], since, '+inf') end
+for i = 1, n do
+  local total = redis.call('ZCOUNT', KEYS[i], since, '+inf')
+  for j = 1, per do total = total + redis.call('LLEN', KEYS[n + (i - 1) * per + j]) end
+  out[i] = total
+end
 return out
 """
 
@@ -244,13 +261,22 @@ class Decision:
         return max(1, min(settings.scheduling_retry_after_max_s, math.ceil(over / self.rate)))
 
 
-async def admit(client: aioredis.Redis, settings: Settings, klass: PriorityClass, *, job_id: uuid.UUID) -> Decision:
+async def admit(
+    client: aioredis.Redis,
+    settings: Settings,
+    klass: PriorityClass,
+    *,
+    job_id: uuid.UUID,
+    pools: Sequence[str] = (STABLE_POOL,),
+) -> Decision:
     """Reserve a place for ``job_id`` in ``klass``'s backlog if it is under the watermark (atomic across API
-    processes). The job's message takes the reservation's place when it is published (``take_reservation``, in the
-    same atomic step), so each job counts once. Raises redis errors: the caller fails open."""
+    processes). The backlog counts the class's queues in every pool of ``pools``: a class has one watermark,
+    however its jobs are split between pools. The job's message takes the reservation's place when it is published
+    (``take_reservation``, in the same atomic step), so each job counts once. Raises redis errors: the caller fails
+    open."""
     k = keys(settings)
     raw: list[Any] = await _script(client, _ADMIT_LUA)(
-        keys=[k.queue(klass), k.reservations(klass), k.state],
+        keys=[k.reservations(klass), k.state, *(k.queue(klass, p) for p in pools)],
         args=[
             klass.value,
             job_id.hex,
@@ -281,19 +307,20 @@ def take_reservation(pipe: redis.client.Pipeline, prefix: str, *, queue: str, jo
         pipe.zrem(Keys(prefix).reservations(klass), job_id.hex)
 
 
-# The backlog (waiting messages + admissions whose message is not out yet, the expired ones dropped) against W, and
-# the reservation.
+# The backlog (waiting messages in each pool's queue of the class + admissions whose message is not out yet, the
+# expired ones dropped) against W, and the reservation. KEYS: reservations, state, then the class's queues.
 _ADMIT_LUA = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 local reserve = tonumber(ARGV[3])
-local w = tonumber(redis.call('HGET', KEYS[3], 'w:' .. ARGV[1]) or ARGV[4])
+local w = tonumber(redis.call('HGET', KEYS[2], 'w:' .. ARGV[1]) or ARGV[4])
 w = math.floor(math.max(tonumber(ARGV[5]), math.min(tonumber(ARGV[6]), w)))
-local rate = redis.call('HGET', KEYS[3], 'rate') or '0'
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now - reserve)
-local backlog = redis.call('LLEN', KEYS[1]) + redis.call('ZCARD', KEYS[2])
+local rate = redis.call('HGET', KEYS[2], 'rate') or '0'
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - reserve)
+local backlog = redis.call('ZCARD', KEYS[1])
+for i = 3, #KEYS do backlog = backlog + redis.call('LLEN', KEYS[i]) end
 if backlog >= w then return {0, backlog, w, rate} end
-redis.call('ZADD', KEYS[2], now, ARGV[2])
-redis.call('PEXPIRE', KEYS[2], math.ceil(reserve * 1000) + 1000)
+redis.call('ZADD', KEYS[1], now, ARGV[2])
+redis.call('PEXPIRE', KEYS[1], math.ceil(reserve * 1000) + 1000)
 return {1, backlog, w, rate}
 """

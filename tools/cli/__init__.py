@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from tools.cli import client, stack
+from tools.cli import client, pools, stack
 from tools.processes import vidq_argv
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="vidq: asynchronous text-to-video service.")
@@ -72,16 +72,27 @@ def worker(
     gpus: Annotated[
         str, typer.Option(help="'all' or GPU indices ('0,2'): one video worker per GPU, pinned to it and its CPUs")
     ] = "",
+    pool: Annotated[
+        str | None, typer.Option(help="the worker pool to join (default VIDQ_WORKER_POOL, 'stable')")
+    ] = None,
 ) -> None:
-    """Run a Celery worker. Video workers take video.high, then video.medium, then video.low (strict order)."""
+    """Run a Celery worker. Video workers take video.high, then video.medium, then video.low (strict order); in a pool
+    other than stable, that pool's video.high.<pool>, video.medium.<pool>, video.low.<pool>."""
     from services.worker.main import Role, run, run_gpus
     from shared.infra.config import get_settings
+    from shared.queues import POOL_NAME
 
     if role not in set(Role):
         raise typer.BadParameter(f"role must be one of {sorted(Role)}")
     settings = get_settings()
     if metrics_port is not None:
         settings = settings.model_copy(update={"worker_metrics_port": metrics_port})
+    if pool is not None:
+        if not POOL_NAME.match(pool):
+            raise typer.BadParameter(
+                "a pool name is 1-32 of a-z, 0-9 and '-', starting with a letter", param_hint="--pool"
+            )
+        settings = settings.model_copy(update={"worker_pool": pool})
     if gpus:
         if role != Role.VIDEO:
             raise typer.BadParameter("--gpus runs video workers: use it with --role video")
@@ -217,6 +228,8 @@ def motion_refit(
     if report is not None:
         typer.echo(json.dumps(report.__dict__))
 
+
+app.add_typer(pools.app, name="pools")
 
 cache_app = typer.Typer(no_args_is_help=True, help="The text-embedding cache.")
 app.add_typer(cache_app, name="cache")

@@ -2,8 +2,8 @@
 
 They take ``Authorization: Bearer <VIDQ_ADMIN_TOKEN>``, not a tenant's API key. While no token is configured
 (the default) they do not exist: every request gets the API's ordinary 404, the same as for an unknown path. A
-missing or wrong token is a 401. None of them touches Postgres, so the load shedding at the door
-(services/api/admission.py), which is sized with the database pool, does not count them.
+missing or wrong token is a 401. They pass the load shedding at the door (services/api/admission.py) uncounted: the
+cache statistics here touch no Postgres; the worker pools' (services/api/admin/pools.py) use a few small statements.
 """
 
 from __future__ import annotations

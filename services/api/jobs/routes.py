@@ -43,6 +43,13 @@ async def submit_job(
     settings: SettingsDep,
     tenant: TenantDep,
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
+    pool: Annotated[
+        str | None,
+        Header(
+            alias="X-Vidq-Pool",
+            description="the worker pool to render in; only for tenants an operator allowed to choose (else 403)",
+        ),
+    ] = None,
 ) -> JobOut:
     job = await submission.submit(
         request,
@@ -52,6 +59,7 @@ async def submit_job(
         body=body,
         idempotency_key=idempotency_key,
         location=lambda job: f"/v1/jobs/{job.id}",
+        pool=pool,
     )
     estimate = request.app.state.estimator.quote(job)
     return present_job(job, settings=settings, storage=request.app.state.storage, estimate=estimate)

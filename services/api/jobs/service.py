@@ -34,6 +34,7 @@ from shared.jobs.scoring import score_job
 from shared.jobs.states import RESULT_CACHE, audit, served_from_cache
 from shared.jobs.status import JobStatus
 from shared.models import ApiFlavour, Job
+from shared.pools.rules import DEFAULT_ROUTE, Route
 from shared.queues import PriorityClass
 from shared.spec import GenerationSpec
 
@@ -50,13 +51,15 @@ def job_values(
     body: JobCreate,
     spec: GenerationSpec,
     flavour: ApiFlavour = ApiFlavour.VIDQ,
+    job_id: uuid.UUID | None = None,
+    route: Route = DEFAULT_ROUTE,
 ) -> dict[str, Any]:
     """A new job's row (attribute names of ``Job``): queued, scored, with its resolved spec and its result key (every
-    job has one, whether or not its request used the cache, so that later identical requests can match it), and the
-    API it came through (``flavour``: the shape of its webhook)."""
+    job has one, whether or not its request used the cache, so that later identical requests can match it), the
+    API it came through (``flavour``: the shape of its webhook), and its worker pool (``route``)."""
     score = score_job(settings, prompt=spec.prompt, width=spec.width, height=spec.height, duration_s=body.duration_s)
     return {
-        "id": uuid.uuid4(),
+        "id": job_id or uuid.uuid4(),
         "tenant_id": tenant_id,
         "status": JobStatus.QUEUED.value,
         "spec": spec.to_dict(),
@@ -73,6 +76,8 @@ def job_values(
         "max_attempts": settings.max_attempts,
         "timings": {},
         "api_flavour": flavour.value,
+        "pool": route.pool,
+        "routed_by": route.routed_by.value,
         "traceparent": current_traceparent(),  # the creating request's trace: every later hop of the job continues it
     }
 
@@ -92,6 +97,9 @@ Stored = Callable[[str], Awaitable[bool]]
 # The admission check of a job of a class that would wait in its queue (services/api/jobs/watermark.py): returns, or
 # raises QueueFull.
 Admit = Callable[[PriorityClass, uuid.UUID], Awaitable[None]]
+# The worker pool of a new job, given its id (services/api/pools.py): raises for a pool header the tenant may not
+# send.
+Router = Callable[[uuid.UUID], Route]
 
 
 async def submit(
@@ -104,16 +112,27 @@ async def submit(
     stored: Stored | None = None,
     admit: Admit | None = None,
     flavour: ApiFlavour = ApiFlavour.VIDQ,
+    route: Router | None = None,
 ) -> tuple[Job, bool]:
     """Returns (job, created), committed. With an Idempotency-Key, the same key and body return the first job; the
     same key with another body is refused. The key row and the job row commit together, in one transaction.
     ``admit``: asked before a job that would wait in its queue is written (not for a replay, nor for a job served
     from the result cache); a refusal writes nothing. ``flavour``: the API the request came through (``/v1/jobs``
-    or ``/v1/videos``)."""
+    or ``/v1/videos``). ``route``: the new job's worker pool by its id (none: stable); a pool the tenant may not
+    choose is refused before anything is written."""
     spec = body.to_spec(settings)  # a body over the caps is refused before anything is looked up or written
     if idempotency_key is not None and not 1 <= len(idempotency_key) <= 200:
         raise InvalidRequest("Idempotency-Key must be 1..200 characters")
-    values = job_values(settings, tenant_id=tenant.id, body=body, spec=spec, flavour=flavour)
+    job_id = uuid.uuid4()
+    values = job_values(
+        settings,
+        tenant_id=tenant.id,
+        body=body,
+        spec=spec,
+        flavour=flavour,
+        job_id=job_id,
+        route=DEFAULT_ROUTE if route is None else route(job_id),
+    )
     # The result-cache candidate is checked before the insert's transaction (no connection held across an S3 call).
     source = await _reusable_source(store, values, stored) if body.cache else None
     queued = admit if source is None else None  # a job served from the result cache never waits

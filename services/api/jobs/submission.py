@@ -4,6 +4,7 @@ result cache's check that a video is still stored, then what follows the commit.
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Awaitable, Callable
 
 from fastapi import Request, Response
@@ -16,6 +17,8 @@ from shared.infra.storage import Storage
 from shared.jobs.schemas import JobCreate
 from shared.messaging.dispatch import send_committed
 from shared.models import ApiFlavour, Job
+from shared.pools.rules import HEADER as POOL_HEADER
+from shared.pools.rules import Route
 
 
 async def submit(
@@ -28,9 +31,17 @@ async def submit(
     idempotency_key: str | None,
     location: Callable[[Job], str],
     flavour: ApiFlavour = ApiFlavour.VIDQ,
+    pool: str | None = None,
 ) -> Job:
     """The job, committed (the row and its idempotency key), its message sent and ``Location`` set to
-    ``location(job)``."""
+    ``location(job)``. ``pool``: the request's ``X-Vidq-Pool`` header (shared/pools/rules.py)."""
+    router = request.app.state.pools
+    routes: list[Route] = []
+
+    def route(job_id: uuid.UUID) -> Route:
+        routes.append(router.route(tenant.id, job_id, requested=pool or None))
+        return routes[-1]
+
     job, created = await jobs_service.submit(
         request.app.state.store,
         settings,
@@ -40,8 +51,11 @@ async def submit(
         stored=video_stored(request.app.state.storage, settings),
         admit=request.app.state.watermark.check,
         flavour=flavour,
+        route=route,
     )
     after_submit(request, response, job, created=created, location=location(job))
+    if created and routes:
+        router.routed(routes[-1])
     return job
 
 
@@ -68,3 +82,4 @@ def after_submit(request: Request, response: Response, job: Job, *, created: boo
     else:
         response.headers["Idempotent-Replayed"] = "true"
     response.headers["Location"] = location
+    response.headers[POOL_HEADER] = job.pool  # the worker pool, for either API's clients

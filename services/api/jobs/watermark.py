@@ -17,7 +17,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import redis
 from prometheus_client import Counter, Gauge
@@ -25,7 +25,7 @@ from prometheus_client import Counter, Gauge
 from shared.errors import QueueFull
 from shared.infra.config import Settings
 from shared.infra.redis_clients import async_broker_client, broker_client
-from shared.queues import PriorityClass
+from shared.queues import STABLE_POOL, PriorityClass
 from shared.scheduling.watermark import Decision, FleetFull, Snapshot, admit, backlogs, step
 
 log = logging.getLogger("vidq.api.watermark")
@@ -52,9 +52,17 @@ FAILED_OPEN = Counter("vidq_api_watermark_unavailable_total", "Watermark checks 
 
 
 class Watermark:
-    def __init__(self, settings: Settings, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        pools: Callable[[], Sequence[str]] = lambda: (STABLE_POOL,),
+    ) -> None:
+        """``pools``: the worker pools whose queues a class's backlog counts (services/api/pools.py knows them)."""
         self.settings = settings
         self._clock = clock
+        self._pools = pools
         timeout = settings.scheduling_redis_timeout_s
         self._client = async_broker_client(settings, retries=0, timeout_s=timeout)
         self._stepper_client = broker_client(settings, timeout_s=timeout, retries=0)
@@ -73,7 +81,8 @@ class Watermark:
             return
         try:
             decision = await asyncio.wait_for(
-                admit(self._client, settings, klass, job_id=job_id), settings.scheduling_redis_timeout_s
+                admit(self._client, settings, klass, job_id=job_id, pools=self._pools()),
+                settings.scheduling_redis_timeout_s,
             )
         except (redis.RedisError, OSError, TimeoutError) as exc:
             self._open_until = self._clock() + settings.scheduling_redis_backoff_s
@@ -148,7 +157,7 @@ class Watermark:
 
     def _observe(self) -> tuple[Snapshot, dict[PriorityClass, int]]:
         snapshot = step(self._stepper_client, self.settings)
-        seen = backlogs(self._stepper_client, self.settings) if self.settings.watermark_enabled else {}
+        seen = backlogs(self._stepper_client, self.settings, self._pools()) if self.settings.watermark_enabled else {}
         return snapshot, seen
 
     async def _step_forever(self) -> None:

@@ -119,6 +119,13 @@ async def create_video(
     settings: SettingsDep,
     tenant: TenantDep,
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
+    pool: Annotated[
+        str | None,
+        Header(
+            alias="X-Vidq-Pool",
+            description="the worker pool to render in; only for tenants an operator allowed to choose (else 403)",
+        ),
+    ] = None,
 ) -> Video:
     """``client.videos.create``: a job, as ``POST /v1/jobs`` makes it. vidq's own parameters (steps, seed,
     guidance_scale, negative_prompt, fps, precision, allow_degraded, step_cache, webhook_url, metadata, cache) come as
@@ -134,6 +141,7 @@ async def create_video(
             idempotency_key=idempotency_key,
             location=lambda job: f"/v1/videos/{id_of_job(job.id)}",
             flavour=ApiFlavour.OPENAI,
+            pool=pool,
         )
     except InvalidRequest as exc:  # an operator's cap: name the parameter it is about
         raise videos_service.param_of_cap(exc) from None

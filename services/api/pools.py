@@ -16,7 +16,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
+from typing import Any
 
 import redis
 from prometheus_client import Counter, Gauge
@@ -56,6 +58,8 @@ class PoolRouter:
         self.live: frozenset[str] = frozenset({STABLE_POOL})
         self._falling_back: set[tuple[str, FallbackReason]] = set()
         self._task: asyncio.Task[None] | None = None
+        self.rules_read_at: float | None = None  # unix time of the last read of each part (None: never)
+        self.live_read_at: float | None = None
 
     def route(self, tenant_id: uuid.UUID, job_id: uuid.UUID, *, requested: str | None) -> Route:
         """The pool of a new job (shared/pools/rules.py). Raises PoolNotAllowed / InvalidRequest for a header the
@@ -75,6 +79,22 @@ class PoolRouter:
                     extra={"pool": route.fallback_from, "reason": route.fallback_reason.value},
                 )
 
+    def snapshot(self) -> dict[str, Any]:
+        """What this process routes by now (``GET /v1/admin/pools/routing``)."""
+        return {
+            "rules_read_at": self.rules_read_at,
+            "live_read_at": self.live_read_at,
+            "live_pools": sorted(self.live),
+            "pools": {
+                name: {"split_percent": rule.split_percent, "state": rule.state.value}
+                for name, rule in sorted(self.rules.pools.items())
+            },
+            "tenants": {
+                str(tenant): {"pool": rule.pool, "may_choose": rule.may_choose}
+                for tenant, rule in self.rules.tenants.items()
+            },
+        }
+
     def known_pools(self) -> list[str]:
         """Stable and every pool with a rule: the queues a class's backlog counts."""
         return [STABLE_POOL, *(name for name in self.rules.pools if name != STABLE_POOL)]
@@ -86,6 +106,7 @@ class PoolRouter:
                 pools = await (await conn.execute(POOLS_SQL)).fetchall()
                 tenants = await (await conn.execute(TENANTS_SQL)).fetchall()
             self.rules = rules_from_rows(pools, tenants)
+            self.rules_read_at = time.time()
         except Exception as exc:  # Postgres down or slow: the last rules stand
             log.debug("pool rules not refreshed", extra={"error": repr(exc)[:200]})
         try:
@@ -93,6 +114,7 @@ class PoolRouter:
                 live_workers_async(self._redis, self.settings), self.settings.scheduling_redis_timeout_s
             )
             self.live = frozenset({STABLE_POOL, *live})
+            self.live_read_at = time.time()
             for pool in {*self.rules.pools, *live}:
                 LIVE.labels(pool).set(live.get(pool, 0))
         except (redis.RedisError, OSError, TimeoutError) as exc:

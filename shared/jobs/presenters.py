@@ -17,6 +17,8 @@ from shared.jobs.schemas import (
     ScoreOut,
 )
 from shared.models import Job
+from shared.pools.rules import RoutedBy
+from shared.queues import STABLE_POOL
 from shared.spec import GenerationSpec
 
 
@@ -80,8 +82,8 @@ def present_job(
         ),
         priority_class=job.priority_class,
         queue=job.queue,
-        pool=job.pool,
-        routed_by=job.routed_by,
+        pool=job.pool or STABLE_POOL,  # a Job built in memory has its defaults only once inserted
+        routed_by=job.routed_by or RoutedBy.DEFAULT.value,
         attempt=job.attempt,
         cancel_requested=job.cancel_requested,
         progress=ProgressOut(step=step, total=total, percent=round(100.0 * step / total, 1) if total else 0.0),

@@ -122,6 +122,14 @@ async def set_tenant_pool(request: Request, tenant: str, body: TenantPoolIn) -> 
     return await _pools(request)
 
 
+@router.get("/pools/routing")
+async def routing(request: Request) -> dict[str, Any]:
+    """What this API process routes by right now: its copy of the rules and the pools it sees live, and when it read
+    each (every process re-reads them each VIDQ_POOL_RULES_REFRESH_S)."""
+    snapshot: dict[str, Any] = request.app.state.pools.snapshot()
+    return snapshot
+
+
 @router.get("/pools/compare")
 async def compare(
     request: Request,

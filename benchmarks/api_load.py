@@ -109,8 +109,13 @@ class Run:
 class Target:
     """One API under test: its source tree, database (on ``server``, a maintenance URL), key and process."""
 
-    def __init__(self, name: str, src: Path, *, workers: int, server: str) -> None:
+    def __init__(self, name: str, src: Path, *, workers: int, server: str, pool_split: float = 0.0) -> None:
         self.name, self.src, self.workers, self.server = name, src, workers, server
+        # A target with worker pools routes every submit through them: with a canary split set, each submit's route
+        # is decided (and, no canary worker being live, falls back to stable: the longest path through routing).
+        self.pool_split = pool_split if (src / "shared" / "pools").is_dir() else 0.0
+        if self.pool_split:
+            self.name += f" (worker pools: canary split {self.pool_split:g}%)"
         self.db = f"vidq_bench_{uuid.uuid4().hex[:8]}"
         self.prefix = f"vidq-bench-{uuid.uuid4().hex[:8]}:"
         self.port = 0  # chosen at start: a port picked before another target's load may be taken by then
@@ -146,6 +151,15 @@ class Target:
             [*run, "create-key", "--tenant", "bench"], env=self.env(), cwd=self.src, check=True, capture_output=True
         )
         self.key = json.loads(out.stdout.decode().strip().splitlines()[-1])["api_key"]
+        if self.pool_split:
+            subprocess.run(
+                [*run, "pools", "set-split", "canary", f"{self.pool_split:g}"],
+                env=self.env(),
+                cwd=self.src,
+                check=True,
+                capture_output=True,
+                timeout=60,
+            )
         self.serve()
 
     def serve(self, **extra_env: str) -> None:
@@ -392,6 +406,13 @@ def main() -> None:
     parser.add_argument("--baseline-ref", default="f68bf14", help="git ref to compare against ('' = none)")
     parser.add_argument("--workers", type=int, default=2, help="API processes for this tree")
     parser.add_argument("--quick", action="store_true", help="short runs (a smoke test of the benchmark)")
+    parser.add_argument(
+        "--pool-split",
+        type=float,
+        default=0.0,
+        help="give a canary pool this share of the split in every target that has worker pools (routing's cost)",
+    )
+    parser.add_argument("--tag", default="", help="suffix of the results file name")
     args = parser.parse_args()
     logging.getLogger("asyncio").setLevel(logging.ERROR)  # a write to a connection the server closed is expected here
     seconds = 3.0 if args.quick else 10.0
@@ -406,8 +427,10 @@ def main() -> None:
             subprocess.run(
                 ["git", "worktree", "add", "--detach", str(worktree), args.baseline_ref], cwd=ROOT, check=True
             )
-            targets.append(Target(f"baseline {args.baseline_ref}", worktree, workers=1, server=server))
-        targets.append(Target("this tree", ROOT, workers=args.workers, server=server))
+            targets.append(
+                Target(f"baseline {args.baseline_ref}", worktree, workers=1, server=server, pool_split=args.pool_split)
+            )
+        targets.append(Target("this tree", ROOT, workers=args.workers, server=server, pool_split=args.pool_split))
         try:
             for target in targets:
                 target.start()
@@ -432,7 +455,8 @@ def _write(sections: list[str], args: argparse.Namespace, server: str) -> None:
     with psycopg.connect(libpq_url(server)) as conn:
         pg_version = conn.execute("SHOW server_version").fetchone()
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    out = ROOT / "benchmarks" / "results" / f"api_load_{datetime.now(UTC):%Y%m%d}.md"
+    tag = f"_{args.tag}" if args.tag else ""
+    out = ROOT / "benchmarks" / "results" / f"api_load_{datetime.now(UTC):%Y%m%d}{tag}.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     text = [
         "# Control-plane load (open loop)",

@@ -204,7 +204,9 @@ def test_rolling_back_moves_every_queued_canary_job_to_stable(
     ids = [j["id"] for j in queued]
     seen = jobs_of(settings, [*ids, blocker])
     assert {j.status for i, j in seen.items() if i in ids} == {"queued"}, [
-        (i, j.status, j.worker_id, j.attempt, j.pool) for i, j in seen.items() if j.status != "queued"
+        (i == blocker, j.status, j.worker_id, j.attempt, j.pool, j.progress_step)
+        for i, j in seen.items()
+        if j.status != "queued"
     ]
 
     out = cli("rollback", "canary")

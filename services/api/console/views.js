@@ -114,6 +114,7 @@ export function showJobDetail(job, { changed }) {
     fact("seed", String(job.seed)),
     fact("model", job.model),
     fact("priority", `${job.priority_class} (score ${job.score.value.toFixed(2)})`),
+    fact("worker pool", job.routed_by === "default" ? job.pool : `${job.pool} (${job.routed_by})`),
     fact("attempt", String(job.attempt)),
     fact("created", new Date(job.created_at).toLocaleString()),
   ];

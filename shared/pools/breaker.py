@@ -26,7 +26,7 @@ from shared.pools.rules import PoolState
 from shared.pools.store import take_out
 from shared.queues import STABLE_POOL
 
-_WINDOW = text(
+FAILURE_WINDOW = text(
     """
     SELECT count(*) FILTER (WHERE status = 'failed') AS failed,
            count(*) FILTER (WHERE status IN ('succeeded', 'failed')) AS decided
@@ -53,7 +53,8 @@ def evaluate(session: Session, celery: VidqCelery, settings: Settings) -> list[T
     ).all()
     for pool in pools:
         failed, decided = session.execute(
-            _WINDOW, {"pool": pool.name, "window": settings.pool_breaker_window_s, "since": pool.state_changed_at}
+            FAILURE_WINDOW,
+            {"pool": pool.name, "window": settings.pool_breaker_window_s, "since": pool.state_changed_at},
         ).one()
         if decided < settings.pool_breaker_min_jobs or failed < settings.pool_breaker_failure_ratio * decided:
             continue

@@ -13,6 +13,8 @@ from sqlalchemy import event, func, select, text
 from benchmarks.db_data import RUNNING, plan_line
 from shared.infra.db import get_engine, session_scope
 from shared.jobs.repository import expire_keys, expired_leases, promotion_due, unsent_or_lost, webhooks_due
+from shared.pools.breaker import FAILURE_WINDOW
+from shared.pools.store import waiting_pools
 from shared.webhooks.deliveries import retries_due
 from tests.services.query_plans import DUE, FilledDatabase, plans, read
 
@@ -39,6 +41,13 @@ def test_sweeper_queries_read_what_is_due_not_the_table(filled: FilledDatabase):
     (plan,) = plans(settings, lambda s: expire_keys(s, now=now, limit=1000))
     assert read(plan, "ix_idempotency_keys_expires_at") == DUE, plan_line(plan)
     assert read(plan, "idempotency_keys_pkey") == DUE, plan_line(plan)
+    # Worker pools: which pools other than stable hold queued jobs (the pooled index holds none here, however many
+    # stable jobs wait), and a pool's breaker window (its own finished jobs, by time).
+    queued_pools, _ = plans(settings, waiting_pools)
+    assert read(queued_pools, "ix_jobs_queued_pooled") == 0, plan_line(queued_pools)
+    window = {"pool": "canary", "window": 600.0, "since": now}
+    (plan,) = plans(settings, lambda s: s.execute(FAILURE_WINDOW, window))
+    assert read(plan, "ix_jobs_pool_finished") == 0, plan_line(plan)
 
 
 def test_sweeper_reads_only_the_due_index(settings, clean_state):

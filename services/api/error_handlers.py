@@ -86,6 +86,9 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 # A submit refused by the admission watermark (shared/scheduling/watermark.py): documented on both submit routes.
+POOL_NOT_ALLOWED_DESCRIPTION = (
+    "the request chose a worker pool (X-Vidq-Pool) but this tenant may not; nothing was written (pool_not_allowed)"
+)
 QUEUE_FULL_DESCRIPTION = (
     "queue_full: the job's priority class already holds as many waiting jobs as the admission watermark allows "
     "(it follows how busy the GPUs are); or, while every class is full, any new submit without an Idempotency-Key "

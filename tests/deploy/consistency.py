@@ -106,7 +106,7 @@ def cli_args_problems(args: Sequence[str]) -> list[str]:
 def worker_roles() -> dict[str, list[str]]:
     from services.worker.main import Role
 
-    return {role.value: [q.value for q in role.queues] for role in Role}
+    return {role.value: role.queues() for role in Role}
 
 
 # ---- settings ---------------------------------------------------------------------------------------------------

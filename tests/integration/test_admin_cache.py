@@ -196,7 +196,7 @@ def test_no_request_with_the_token_causes_a_server_error(admin_api: str) -> None
 
     schema = schemathesis.openapi.from_url(f"{admin_api}/openapi.json")
     operations = [r.ok() for r in schema.get_all_operations() if r.ok().path.startswith("/v1/admin/")]
-    assert [o.path for o in operations] == [PATH]
+    assert PATH in [o.path for o in operations]  # and the worker pools' (services/api/admin/pools.py)
 
     for operation in operations:
 
@@ -205,7 +205,8 @@ def test_no_request_with_the_token_causes_a_server_error(admin_api: str) -> None
         def check(case: schemathesis.Case) -> None:
             case.headers = {**(case.headers or {}), **bearer(TOKEN)}
             response = case.call(timeout=30)
-            assert response.status_code in {200, 422}, (
+            # 404: a tenant endpoint's unknown tenant (the pools' rules are made on first use: no 404 for them)
+            assert response.status_code in {200, 404, 422}, (
                 f"{case.formatted_path} → {response.status_code}: {response.text}"
             )
             case.validate_response(

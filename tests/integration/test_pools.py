@@ -26,8 +26,10 @@ from tools.cli import app as vidq
 from tools.processes import ProcessGroup, vidq_argv, wait_for_log, wait_http, wait_until
 
 TOKEN = f"operator-{os.urandom(12).hex()}"
-# Rules re-read every 0.2 s and a pool silent for 2 s counted dead: the tests wait for the API's view, never guess it.
-POOL_ENV = {"VIDQ_ADMIN_TOKEN": TOKEN, "VIDQ_POOL_RULES_REFRESH_S": "0.2", "VIDQ_POOL_WORKER_STALE_S": "2"}
+# Rules re-read every 0.2 s: the tests wait for the API's view, never guess it. A pool counts as dead after 10 s of
+# silence (its worker announces itself every 0.2 s): a worker starved of CPU for a few seconds on a loaded machine
+# must not look dead, or a job meant for it would fall back to stable.
+POOL_ENV = {"VIDQ_ADMIN_TOKEN": TOKEN, "VIDQ_POOL_RULES_REFRESH_S": "0.2", "VIDQ_POOL_WORKER_STALE_S": "10"}
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +199,9 @@ def test_rolling_back_moves_every_queued_canary_job_to_stable(
         wait_routing(admin, lambda r: any(t["pool"] == "canary" for t in r["tenants"].values()), "the assignment")
         hold.on()
         # The canary worker takes this one and holds it mid-render: the next 50 wait in the canary's queue.
-        blocker = submit(client).json()["id"]
+        blocker = submit(client).json()
+        assert (blocker["pool"], blocker["routed_by"]) == ("canary", "tenant")
+        blocker = blocker["id"]
         wait_until(lambda: jobs_of(settings, [blocker])[blocker].status == "running", timeout_s=60, what="blocker")
         queued = [submit(client).json() for _ in range(50)]
     assert {j["pool"] for j in queued} == {"canary"}
@@ -308,7 +312,9 @@ def test_a_pool_without_a_live_worker_gets_nothing_and_its_queue_moves_to_stable
         cli("assign", name, "canary")
         wait_routing(admin, lambda r: any(t["pool"] == "canary" for t in r["tenants"].values()), "the assignment")
         hold.on()
-        first = submit(client).json()["id"]  # held mid-render on the canary worker
+        first_job = submit(client).json()  # held mid-render on the canary worker
+        assert first_job["pool"] == "canary"
+        first = first_job["id"]
         wait_until(lambda: jobs_of(settings, [first])[first].status == "running", timeout_s=60, what="held")
         waiting = [submit(client).json()["id"] for _ in range(3)]
         group.kill(workers.pop("canary"))  # the canary's only worker is gone

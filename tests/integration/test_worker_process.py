@@ -57,10 +57,10 @@ def test_worker_serves_metrics_and_a_liveness_signal(client, start_worker, procs
     wait_job(client, job["id"], {"succeeded"})
     deadline = time.monotonic() + 10
     text = ""
-    while time.monotonic() < deadline and 'vidq_worker_jobs_total{outcome="succeeded"}' not in text:
+    while time.monotonic() < deadline and 'vidq_worker_jobs_total{outcome="succeeded",pool="stable"}' not in text:
         text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
         time.sleep(0.2)
-    assert 'vidq_worker_jobs_total{outcome="succeeded"} 1.0' in text
+    assert 'vidq_worker_jobs_total{outcome="succeeded",pool="stable"} 1.0' in text
     assert 'vidq_worker_stage_seconds_count{stage="denoise"} 1.0' in text
     assert "vidq_worker_queue_wait_seconds_count" in text
 

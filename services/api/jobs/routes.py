@@ -11,7 +11,13 @@ from fastapi import APIRouter, Header, Query, Request, Response
 from services.api import pagination
 from services.api.context import service as context_service
 from services.api.deps import SessionDep, SettingsDep, TenantDep
-from services.api.error_handlers import ERROR_RESPONSES, QUEUE_FULL_DESCRIPTION, RETRY_AFTER_HEADER, ErrorBody
+from services.api.error_handlers import (
+    ERROR_RESPONSES,
+    POOL_NOT_ALLOWED_DESCRIPTION,
+    QUEUE_FULL_DESCRIPTION,
+    RETRY_AFTER_HEADER,
+    ErrorBody,
+)
 from services.api.jobs import service as jobs_service
 from services.api.jobs import submission
 from shared.jobs.presenters import present_job
@@ -29,11 +35,12 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=ERROR_RESPONSES)
     status_code=202,
     response_model=JobOut,
     responses={
+        403: {"model": ErrorBody, "description": POOL_NOT_ALLOWED_DESCRIPTION},
         429: {
             "model": ErrorBody,
             "description": QUEUE_FULL_DESCRIPTION,
             "headers": {"Retry-After": RETRY_AFTER_HEADER},
-        }
+        },
     },
 )
 async def submit_job(

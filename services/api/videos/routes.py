@@ -16,7 +16,7 @@ from starlette.datastructures import UploadFile
 
 from services.api import pagination
 from services.api.deps import Caller, SessionDep, SettingsDep, TenantDep
-from services.api.error_handlers import QUEUE_FULL_DESCRIPTION, RETRY_AFTER_HEADER
+from services.api.error_handlers import POOL_NOT_ALLOWED_DESCRIPTION, QUEUE_FULL_DESCRIPTION, RETRY_AFTER_HEADER
 from services.api.jobs import service as jobs_service
 from services.api.jobs import submission
 from services.api.videos import service as videos_service
@@ -96,7 +96,7 @@ async def _params(request: Request) -> dict[str, Any]:
     "",
     response_model=Video,
     responses={
-        **_errors((415, "the body is neither JSON nor a form")),
+        **_errors((415, "the body is neither JSON nor a form"), (403, POOL_NOT_ALLOWED_DESCRIPTION)),
         429: {
             "model": OpenAIErrorBody,
             "description": QUEUE_FULL_DESCRIPTION,

@@ -148,8 +148,16 @@ def queue_names() -> set[str]:
     return {q.value for q in Queue}
 
 
-QUEUE_NAME = re.compile(r"(?<![\w.-])(?:video|vidq)\.[a-z][a-z0-9_]*(?![\w.-])")
-"""What looks like a queue name in a deployment file (video.high, vidq.webhooks …)."""
+QUEUE_NAME = re.compile(r"(?<![\w.-])(?:video\.[a-z][a-z0-9_]*(?:\.[a-z][a-z0-9-]*)?|vidq\.[a-z][a-z0-9_]*)(?![\w./-])")
+"""What looks like a queue name in a deployment file (video.high, video.low.canary, vidq.webhooks …; not a label key
+such as vidq.dev/pool)."""
+
+
+def known_queue(name: str) -> bool:
+    """A queue vidq uses: a fixed one, or a video queue of any worker pool (video.high.canary)."""
+    from shared.queues import parse_video_queue
+
+    return name in queue_names() or parse_video_queue(name) is not None
 
 
 def _route_paths(routes: Iterable[Any]) -> Iterator[str]:

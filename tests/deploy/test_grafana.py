@@ -11,6 +11,7 @@ from typing import Any
 from prometheus_client import REGISTRY
 
 import services.api.metrics  # noqa: F401  (registers the API metrics)
+import services.api.pools  # noqa: F401  (the API's worker-pool metrics)
 import services.prewarmer.service  # noqa: F401  (the prewarmer's metrics; imports torch)
 import services.worker.metrics as worker_metrics
 import shared.textcache.monitor  # noqa: F401  (the embedding cache's lookup counters)
@@ -78,3 +79,23 @@ def test_the_embedding_cache_row_charts_the_cache_and_the_prewarmer():
             for y in range(g["y"], g["y"] + g["h"]):
                 assert (x, y) not in cells, f"{panel['title']!r} overlaps {cells[(x, y)]!r}"
                 cells[(x, y)] = panel["title"]
+
+
+def test_the_worker_pools_row_puts_pools_side_by_side():
+    dashboard = json.loads(DASHBOARD.read_text())
+    top = dashboard["panels"]
+    (start,) = [i for i, p in enumerate(top) if p["type"] == "row" and p["title"] == "Worker pools"]
+    end = next((i for i in range(start + 1, len(top)) if top[i]["type"] == "row"), len(top))
+    inside = top[start].get("panels") or top[start + 1 : end]
+    charted = set().union(*(series(p) for p in inside))
+    assert {
+        "vidq_worker_jobs_total",
+        "vidq_worker_failures_total",
+        "vidq_worker_render_step_seconds_bucket",
+        "vidq_worker_queue_wait_seconds_bucket",
+        "vidq_api_pool_routed_total",
+        "vidq_api_pool_fallbacks_total",
+        "vidq_api_pool_state",
+    } <= charted
+    # Every panel of the row is split by pool.
+    assert all("pool" in target["expr"] for p in inside for target in p["targets"])

@@ -31,6 +31,7 @@ from tests.deploy.consistency import (
     api_paths,
     cli_args_problems,
     exec_form,
+    known_queue,
     parse_dockerfile,
     queue_names,
     setting_field,
@@ -40,7 +41,7 @@ from tests.deploy.consistency import (
 )
 
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
-TARGETS = ("base", "overlays/gpu", "overlays/cpu-dev")
+TARGETS = ("base", "overlays/gpu", "overlays/cpu-dev", "overlays/gpu-canary")
 # Upstream supports the three newest minors (1.35-1.37 in 2026-11): validate against the oldest and the newest.
 K8S_VERSIONS = ("1.35.0", "1.37.0")
 KEDA_SCHEMAS = Path(__file__).parent / "schemas" / "keda"  # see SOURCE.md there
@@ -286,7 +287,7 @@ def test_worker_roles_and_queues_are_real(target: str) -> None:
     assert set(found) == {"video", "webhooks"}, found
     assert set(roles) >= set(found)
     for match in QUEUE_NAME.findall(yaml.safe_dump_all(render(target))):
-        assert match in queue_names(), f"{target}: {match!r} looks like a queue name but is none"
+        assert known_queue(match), f"{target}: {match!r} looks like a queue name but is none"
 
 
 def test_every_vidq_variable_is_a_setting(target: str) -> None:
@@ -588,7 +589,8 @@ def test_network_policies(target: str) -> None:
     deny = [s for s in policies.values() if s["podSelector"] == {} and not s.get("ingress") and not s.get("egress")]
     assert deny and set(deny[0]["policyTypes"]) == {"Ingress", "Egress"}, "default deny for all pods"
     components = {t["metadata"]["labels"]["app.kubernetes.io/component"] for _, t in pod_specs(target)}
-    assert components == {"api", "worker", "webhooks", "sweeper", "prewarmer", "flower", "migrate"}
+    expected = {"api", "worker", "webhooks", "sweeper", "prewarmer", "flower", "migrate"}
+    assert components == expected | ({"worker-canary"} if target.endswith("canary") else set())
     for component in components:
         rules = egress_rules(target, component)
         ports = {p["port"] for r in rules for p in r.get("ports", [])}
@@ -603,6 +605,8 @@ def test_network_policies(target: str) -> None:
             assert all(r.get("to") for r in rules), f"{component}: egress rule without destination"
     worker_ports = {p["port"] for r in egress_rules(target, "worker") for p in r.get("ports", [])}
     assert worker_ports <= {53, 5432, 6379, 9000, 443}
+    if "worker-canary" in components:  # the canary's workers reach exactly what the stable ones reach
+        assert {p["port"] for r in egress_rules(target, "worker-canary") for p in r.get("ports", [])} == worker_ports
     # The sweeper needs Postgres and the broker, nothing else (it never touches S3), and nobody calls it.
     sweeper_ports = {p["port"] for r in egress_rules(target, "sweeper") for p in r.get("ports", [])}
     assert sweeper_ports == {53, 5432, 6379}
@@ -620,3 +624,48 @@ def test_network_policies(target: str) -> None:
     assert any(8000 in {p["port"] for p in r["ports"]} and not r.get("from") for r in api_in)
     flower_in = [r for s in policies.values() if selects(s["podSelector"], "flower") for r in s.get("ingress", [])]
     assert flower_in and all(peer == {"podSelector": {}} for r in flower_in for peer in r["from"])
+
+
+# ---- the canary pool ---------------------------------------------------------------------------------------------
+
+
+def test_the_canary_pool_is_the_stable_worker_in_its_own_pool() -> None:
+    """components/canary-pool: the same Deployment as the stable workers' (made from base/worker, and on the GPU the
+    same patch), renamed, its own labels and selector (no stable selector picks a canary pod), its own image name,
+    joining the `canary` pool; its pods reach what the stable workers reach."""
+    stable = named("overlays/gpu-canary", "Deployment", "vidq-worker")
+    canary = named("overlays/gpu-canary", "Deployment", "vidq-worker-canary")
+    assert stable == named("overlays/gpu", "Deployment", "vidq-worker"), "the canary leaves the stable workers alone"
+    pod, canary_pod = stable["spec"]["template"]["spec"], canary["spec"]["template"]["spec"]
+    container, canary_container = pod["containers"][0], canary_pod["containers"][0]
+    assert argv(canary_container)[argv(canary_container).index("--pool") + 1] == "canary"
+    assert argv(canary_container)[1:] == [*argv(container)[1:-1], "video-canary", "--pool", "canary"]
+    same = {k: v for k, v in container.items() if k not in {"args", "image"}}
+    assert {k: v for k, v in canary_container.items() if k not in {"args", "image"}} == same
+    assert {k: v for k, v in canary_pod.items() if k != "containers"} == {
+        k: v for k, v in pod.items() if k != "containers"
+    }
+    labels = canary["spec"]["selector"]["matchLabels"]
+    assert labels["vidq.dev/pool"] == "canary"
+    for selector in (
+        stable["spec"]["selector"],
+        named("overlays/gpu-canary", "PodDisruptionBudget", "vidq-worker")["spec"]["selector"],
+    ):
+        assert not set(selector["matchLabels"].items()) <= set(canary["spec"]["template"]["metadata"]["labels"].items())
+    component = canary["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
+    for policy in ("allow-postgres-egress", "allow-redis-egress", "allow-s3-egress", "allow-worker-metrics-ingress"):
+        (expression,) = named("overlays/gpu-canary", "NetworkPolicy", policy)["spec"]["podSelector"]["matchExpressions"]
+        assert "worker" in expression["values"] and component in expression["values"], policy
+
+
+def test_keda_scales_the_canary_on_its_own_queues_and_never_to_zero() -> None:
+    from shared.queues import video_queues
+
+    scaled = named("overlays/gpu-canary", "ScaledObject", "vidq-worker-canary")["spec"]
+    assert scaled["scaleTargetRef"]["name"] == "vidq-worker-canary"
+    # Routing sends a pool jobs only while it has a live worker: from zero its backlog would never rise.
+    assert scaled["minReplicaCount"] == 1
+    assert [t["metadata"]["listName"] for t in scaled["triggers"]] == video_queues("canary")
+    stable = named("overlays/gpu-canary", "ScaledObject", "vidq-worker")["spec"]
+    strip = lambda t: {k: v for k, v in t["metadata"].items() if k != "listName"}  # noqa: E731
+    assert [strip(t) for t in scaled["triggers"]] == [strip(t) for t in stable["triggers"]]

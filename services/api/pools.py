@@ -102,7 +102,10 @@ class PoolRouter:
     async def refresh(self) -> None:
         """Re-read the rules and the live workers; each part that fails keeps its last value."""
         try:
-            async with self._store.connection() as conn:
+            # Both tables from one snapshot: a change committed between the two reads (a roll back and its tenants'
+            # rules) is seen whole or not at all.
+            async with self._store.transaction() as conn:
+                await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
                 pools = await (await conn.execute(POOLS_SQL)).fetchall()
                 tenants = await (await conn.execute(TENANTS_SQL)).fetchall()
             self.rules = rules_from_rows(pools, tenants)

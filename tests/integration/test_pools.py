@@ -5,6 +5,7 @@ pool with no live worker falling back to stable."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import uuid
@@ -82,8 +83,16 @@ def routing(admin: httpx.Client) -> dict[str, Any]:
 
 
 def wait_routing(admin: httpx.Client, check: Any, what: str) -> None:
-    """Until the API process routes by what the test just changed (it re-reads the rules every 0.2 s)."""
-    wait_until(lambda: check(routing(admin)), timeout_s=30, what=what)
+    """Until the API process routes by what the test just changed: ``check`` holds on rules and live pools it read
+    after this call (it re-reads them every 0.2 s; a view read before the change, or before clean_state emptied the
+    broker's keys, may still show what the test expects)."""
+    since = time.time()
+
+    def fresh() -> bool:
+        r = routing(admin)
+        return (r["rules_read_at"] or 0) > since and (r["live_read_at"] or 0) > since and bool(check(r))
+
+    wait_until(fresh, timeout_s=30, what=what)
 
 
 def wait_live(admin: httpx.Client, *pools: str) -> None:
@@ -187,6 +196,10 @@ def test_a_tenant_assignment_routes_its_jobs(
     assert all(claimed_by(group, workers["canary"], j["id"]) for j in assigned)
     shown = cli("show")
     assert "canary" in shown and name in shown
+    compared = json.loads(cli("compare", "--window", "600", "--json"))["pools"]
+    assert compared["canary"]["succeeded"] == 3 and compared["canary"]["success_rate"] == 1.0
+    (steps,) = compared["canary"]["render_step_s"]
+    assert (steps["model"], steps["shape"], steps["jobs"]) == ("tiny-wan", "64x64x9", 3) and steps["p50"] > 0
 
 
 def test_rolling_back_moves_every_queued_canary_job_to_stable(

@@ -22,11 +22,15 @@ def _transaction(work: Callable[..., T]) -> T:
     from shared.infra.config import get_settings
     from shared.infra.db import session_scope
     from shared.messaging.celery_app import make_celery
+    from shared.messaging.dispatch import flush_send_records
 
     settings = get_settings()
+    celery = make_celery(settings)
     try:
         with session_scope(settings) as session:
-            return work(session, make_celery(settings))
+            result = work(session, celery)
+        flush_send_records(celery)  # the moved jobs' sends on record before this process exits
+        return result
     except VidqError as exc:
         typer.echo(f"refused: {exc.message}", err=True)
         raise typer.Exit(code=1) from None

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, Header, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
@@ -97,3 +97,13 @@ def _lookup(settings: Settings, key_hash: str) -> Caller | None:
 
 
 TenantDep = Annotated[Caller, Depends(get_tenant)]
+
+
+# A submit's choice of worker pool (shared/pools/rules.py): both submit endpoints take it.
+PoolHeader = Annotated[
+    str | None,
+    Header(
+        alias="X-Vidq-Pool",
+        description="the worker pool to render in; only for tenants an operator allowed to choose (else 403)",
+    ),
+]

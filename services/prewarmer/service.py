@@ -34,7 +34,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from shared.infra.config import Settings
 from shared.infra.tracing import stage_span
-from shared.pools.live import live_workers
+from shared.pools.live import live_workers_or_none
 from shared.queues import STABLE_POOL, video_queues
 from shared.render.precision import compute_dtype, dtype_from_name, dtype_name, resolve_device
 from shared.render.text import EncoderIdentity, TextEncoder, build_text_encoder
@@ -222,10 +222,7 @@ class Prewarmer:
     def _queued_from_broker(self, per_queue: int) -> Sequence[QueuedPrompts]:
         """Up to ``per_queue`` jobs of each video queue of every pool with a live worker (stable's always), queue by
         queue in the workers' order, newest first."""
-        try:
-            pools = sorted(set(live_workers(self.control, self.settings)) - {STABLE_POOL})
-        except redis.RedisError:
-            pools = []
+        pools = sorted(set(live_workers_or_none(self.control, self.settings) or {}) - {STABLE_POOL})
         ids = [
             job_id
             for pool in (STABLE_POOL, *pools)

@@ -35,7 +35,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-import redis
 from sqlalchemy import text
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -47,7 +46,7 @@ from shared.jobs.status import JobStatus
 from shared.messaging.celery_app import VidqCelery
 from shared.messaging.dispatch import flush_send_records, send_job_after_commit, send_webhook_after_commit
 from shared.pools.breaker import evaluate
-from shared.pools.live import live_workers
+from shared.pools.live import live_workers_or_none
 from shared.pools.rules import PoolState
 from shared.pools.store import reroute_queued, waiting_pools
 from shared.webhooks import deliveries
@@ -204,10 +203,7 @@ class Sweeper:
     def _live_pools(self) -> dict[str, int] | None:
         """Live workers per pool; None when the broker's Redis does not answer (nothing is moved for it then)."""
         client = self.celery.resource("pools-live", lambda: broker_client(self.settings, retries=0))
-        try:
-            return live_workers(client, self.settings)
-        except (redis.RedisError, OSError):
-            return None
+        return live_workers_or_none(client, self.settings)
 
     def _recently_live(self, pool: str, live: dict[str, int]) -> bool:
         """Whether ``pool`` had a live worker within pool_reroute_after_s (a pool first met now counts as live: its

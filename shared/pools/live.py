@@ -53,6 +53,15 @@ def live_workers(client: redis.Redis, settings: Settings) -> dict[str, int]:
     return _counts(raw)
 
 
+def live_workers_or_none(client: redis.Redis, settings: Settings) -> dict[str, int] | None:
+    """``live_workers``, or None when the broker's Redis does not answer (the caller then acts on nobody's
+    liveness)."""
+    try:
+        return live_workers(client, settings)
+    except (redis.RedisError, OSError):
+        return None
+
+
 async def live_workers_async(client: aioredis.Redis, settings: Settings) -> dict[str, int]:
     raw: list[Any] = await client.eval(_LIVE_LUA, 1, live_key(settings.broker_key_prefix), settings.pool_worker_stale_s)
     return _counts(raw)

@@ -105,6 +105,12 @@ def cli(*args: str) -> str:
     return result.output
 
 
+def assign(admin: httpx.Client, tenant_name: str, pool: str) -> None:
+    """`vidq pools assign`, then wait until the API routes by it."""
+    cli("assign", tenant_name, pool)
+    wait_routing(admin, lambda r: any(t["pool"] == pool for t in r["tenants"].values()), f"the assignment to {pool}")
+
+
 def submit(client: httpx.Client, headers: dict[str, str] | None = None, **overrides: Any) -> httpx.Response:
     return client.post("/v1/jobs", json={**TINY, "seed": int.from_bytes(os.urandom(3)), **overrides}, headers=headers)
 
@@ -185,8 +191,7 @@ def test_a_tenant_assignment_routes_its_jobs(
     other_name, other = tenant(settings, str(admin.base_url))
     with client, other:
         wait_live(admin, "stable", "canary")
-        cli("assign", name, "canary")
-        wait_routing(admin, lambda r: any(t["pool"] == "canary" for t in r["tenants"].values()), "the assignment")
+        assign(admin, name, "canary")
         assigned = [submit(client).json() for _ in range(3)]
         unassigned = submit(other).json()
     assert {(j["pool"], j["routed_by"]) for j in assigned} == {("canary", "tenant")}
@@ -208,8 +213,7 @@ def test_rolling_back_moves_every_queued_canary_job_to_stable(
     name, client = tenant(settings, str(admin.base_url))
     with client:
         wait_live(admin, "stable", "canary")
-        cli("assign", name, "canary")
-        wait_routing(admin, lambda r: any(t["pool"] == "canary" for t in r["tenants"].values()), "the assignment")
+        assign(admin, name, "canary")
         hold.on()
         # The canary worker takes this one and holds it mid-render: the next 50 wait in the canary's queue.
         blocker = submit(client).json()
@@ -266,8 +270,7 @@ def test_a_pool_whose_jobs_fail_is_taken_out_of_routing(
         name, client = tenant(settings, str(admin.base_url))
         with client:
             wait_live(admin, "stable", "broken")
-            cli("assign", name, "broken")
-            wait_routing(admin, lambda r: any(t["pool"] == "broken" for t in r["tenants"].values()), "the assignment")
+            assign(admin, name, "broken")
             failing = [submit(client).json() for _ in range(4)]
             assert {j["pool"] for j in failing} == {"broken"}
             jobs = wait_finished(settings, [j["id"] for j in failing])
@@ -322,8 +325,7 @@ def test_a_pool_without_a_live_worker_gets_nothing_and_its_queue_moves_to_stable
     name, client = tenant(settings, str(admin.base_url))
     with client:
         wait_live(admin, "stable", "canary")
-        cli("assign", name, "canary")
-        wait_routing(admin, lambda r: any(t["pool"] == "canary" for t in r["tenants"].values()), "the assignment")
+        assign(admin, name, "canary")
         hold.on()
         first_job = submit(client).json()  # held mid-render on the canary worker
         assert first_job["pool"] == "canary"

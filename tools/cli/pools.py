@@ -37,17 +37,13 @@ def _transaction(work: Callable[..., T]) -> T:
 
 
 def _live() -> dict[str, int] | None:
-    import redis
 
     from shared.infra.config import get_settings
     from shared.infra.redis_clients import broker_client
-    from shared.pools.live import live_workers
+    from shared.pools.live import live_workers_or_none
 
     settings = get_settings()
-    try:
-        return live_workers(broker_client(settings, retries=0), settings)
-    except (redis.RedisError, OSError):
-        return None
+    return live_workers_or_none(broker_client(settings, retries=0), settings)
 
 
 @app.command("show")

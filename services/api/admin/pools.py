@@ -12,7 +12,6 @@ from functools import partial
 from typing import Annotated, Any, TypeVar
 
 import anyio.to_thread
-import redis
 from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, Field
 from sqlalchemy.orm import Session
@@ -21,7 +20,7 @@ from services.api.admin.routes import ADMIN_RESPONSES, require_admin
 from shared.infra.redis_clients import broker_client
 from shared.messaging.celery_app import VidqCelery
 from shared.pools import store
-from shared.pools.live import live_workers
+from shared.pools.live import live_workers_or_none
 
 router = APIRouter(
     prefix="/v1/admin", tags=["admin: pools"], dependencies=[Depends(require_admin)], responses=ADMIN_RESPONSES
@@ -72,10 +71,7 @@ def _live(celery: VidqCelery) -> dict[str, int] | None:
     client = celery.resource(
         "admin-pools-redis", lambda: broker_client(settings, retries=0, timeout_s=settings.scheduling_redis_timeout_s)
     )
-    try:
-        return live_workers(client, settings)
-    except (redis.RedisError, OSError):
-        return None
+    return live_workers_or_none(client, settings)
 
 
 async def _pools(request: Request, *, moved: int | None = None) -> PoolsOut:

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Header, Query, Request, Response
 
 from services.api import pagination
 from services.api.context import service as context_service
-from services.api.deps import SessionDep, SettingsDep, TenantDep
+from services.api.deps import PoolHeader, SessionDep, SettingsDep, TenantDep
 from services.api.error_handlers import (
     ERROR_RESPONSES,
     POOL_NOT_ALLOWED_DESCRIPTION,
@@ -50,13 +50,7 @@ async def submit_job(
     settings: SettingsDep,
     tenant: TenantDep,
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
-    pool: Annotated[
-        str | None,
-        Header(
-            alias="X-Vidq-Pool",
-            description="the worker pool to render in; only for tenants an operator allowed to choose (else 403)",
-        ),
-    ] = None,
+    pool: PoolHeader = None,
 ) -> JobOut:
     job = await submission.submit(
         request,

@@ -15,7 +15,7 @@ from fastapi.responses import StreamingResponse
 from starlette.datastructures import UploadFile
 
 from services.api import pagination
-from services.api.deps import Caller, SessionDep, SettingsDep, TenantDep
+from services.api.deps import Caller, PoolHeader, SessionDep, SettingsDep, TenantDep
 from services.api.error_handlers import POOL_NOT_ALLOWED_DESCRIPTION, QUEUE_FULL_DESCRIPTION, RETRY_AFTER_HEADER
 from services.api.jobs import service as jobs_service
 from services.api.jobs import submission
@@ -119,13 +119,7 @@ async def create_video(
     settings: SettingsDep,
     tenant: TenantDep,
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
-    pool: Annotated[
-        str | None,
-        Header(
-            alias="X-Vidq-Pool",
-            description="the worker pool to render in; only for tenants an operator allowed to choose (else 403)",
-        ),
-    ] = None,
+    pool: PoolHeader = None,
 ) -> Video:
     """``client.videos.create``: a job, as ``POST /v1/jobs`` makes it. vidq's own parameters (steps, seed,
     guidance_scale, negative_prompt, fps, precision, allow_degraded, step_cache, webhook_url, metadata, cache) come as

@@ -309,7 +309,10 @@ def test_a_ten_percent_split_lands_ten_percent_stable_per_job_id(
         wait_routing(admin, lambda r: r["pools"].get("canary", {}).get("split_percent") == 10, "the split")
         jobs = [submit(client).json() for _ in range(1000)]
     canary = [j for j in jobs if j["pool"] == "canary"]
-    assert 80 <= len(canary) <= 120, f"{len(canary)} of 1000 on the canary"
+    # Job ids are random (uuid4): the count is binomial(1000, 0.1), sd 9.5, so a ±2-point bound fails ~3.5% of runs
+    # for any hash. Exact here is each job's pool (below); the share is held to ±5 sd (never crossed by chance), and
+    # the ±2 points over 1,000 ids are checked on a fixed set of ids in tests/shared/test_pool_rules.py.
+    assert 53 <= len(canary) <= 147, f"{len(canary)} of 1000 on the canary"
     assert {j["routed_by"] for j in canary} == {"split"}
     # Stable per job id: each job's pool is its id's bucket against the split, whatever process routed it.
     rules = Rules(pools={"canary": PoolRule("canary", 10.0)})
